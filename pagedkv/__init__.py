@@ -1,0 +1,20 @@
+"""pagedkv: a persistent, paged KV-cache store for LLM inference."""
+
+from __future__ import annotations
+
+from .errors import (FormatVersionError, GeometryMismatch, PageCorrupt, PagedKVError, PoolExhausted,
+                     ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
+                     StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
+from .geometry import PRESETS, Geometry
+from .opening import open_store as open
+from .step import Step
+from .store import KVStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
+    "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
+    "GeometryMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
+    "FormatVersionError", "__version__",
+]

@@ -1,0 +1,83 @@
+"""Private files and directories: 0700/0600 whatever the umask, no symlinks followed."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from .errors import PagedKVError, StoreFull, StoreIOError
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def io_error(exc: OSError, what: str) -> PagedKVError:
+    """Translate an OSError into the typed error a caller should see."""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return StoreFull(f"{what}: {os.strerror(exc.errno)}")
+    return StoreIOError(f"{what}: {exc.strerror or exc}")
+
+
+def refuse_symlink(path: str) -> None:
+    """Raise if ``path`` is a symbolic link: store files are never followed through links."""
+    if os.path.islink(path):
+        raise PagedKVError(f"{path} is a symbolic link; pagedkv refuses linked store files")
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` (and parents) with mode 0700, or tighten an existing one."""
+    refuse_symlink(path)
+    try:
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+        os.chmod(path, DIR_MODE)
+    except OSError as exc:
+        raise io_error(exc, f"cannot create directory {path}") from None
+
+
+def create_private_file(path: str, nbytes: int) -> int:
+    """Create a new 0600 file of ``nbytes`` (space reserved) and return its fd."""
+    refuse_symlink(path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as exc:
+        raise io_error(exc, f"cannot create {path}") from None
+    try:
+        os.fchmod(fd, FILE_MODE)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        raise io_error(exc, f"cannot reserve {nbytes} bytes for {path}") from None
+    return fd
+
+
+def open_existing(path: str, writable: bool) -> int:
+    """Open an existing store file without following a symlink."""
+    refuse_symlink(path)
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        raise io_error(exc, f"cannot open {path}") from None
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries durable (a new file's name survives power loss)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tighten_tree(path: str) -> None:
+    """Set 0700 on directories and 0600 on files under ``path`` (LMDB creates its own)."""
+    for root, dirs, names in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), DIR_MODE, follow_symlinks=False)
+        for name in names:
+            full = os.path.join(root, name)
+            if not os.path.islink(full):
+                os.chmod(full, FILE_MODE)

@@ -1,0 +1,67 @@
+"""The single-writer lock: ``flock`` on ``<store>/LOCK`` with the holder's pid inside."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from .errors import StoreLocked
+from .files import FILE_MODE, io_error, refuse_symlink
+
+
+def lock_holder(path: str) -> int | None:
+    """Return the pid of a live writer holding ``path`` (a LOCK file), or None; writes nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            # A shared probe on a read-only fd neither writes nor changes mtime.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_pid(fd) or -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() else None
+    except OSError:
+        return None
+
+
+class WriterLock:
+    """An exclusive, non-blocking writer lock; released at once if the holder dies."""
+
+    def __init__(self, path: str) -> None:
+        refuse_symlink(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            os.fchmod(fd, FILE_MODE)
+        except OSError as exc:
+            raise io_error(exc, f"cannot open lock file {path}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            who = f"pid {holder}" if holder else "another handle"
+            raise StoreLocked(f"{os.path.dirname(path) or '.'} is locked by a writer ({who})") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise io_error(exc, f"cannot write lock file {path}") from None
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Drop the lock (idempotent)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the fd releases the flock

@@ -1,0 +1,347 @@
+"""The block manager: page directory, slots, LRU, pins, eviction to spill and restore.
+
+The directory is a set of numpy columns indexed by a dense, recycled row id
+(``pid``); a page's public identity is its ``uid`` (64-bit, never reused). Two
+views of placement are kept: the live one (``slot``) and the committed one
+(``c_where``: what the last LMDB transaction says). A slot is reusable only when
+neither view references it, which is what keeps committed bytes from being
+overwritten before a commit has moved them (see ``persist.py`` for the commit).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+
+from . import faults
+from .codec import decode_record, encode_record, page_checksum
+from .errors import PageCorrupt, PoolExhausted
+from .geometry import Geometry
+from .pool import PagePool
+from .spill import SpillStore, uid_key
+from .stats import Stats
+
+NOWHERE = -2  # c_where of a page no commit has recorded
+SPILLED = -1
+REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
+# Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
+DIR_ENTRY = struct.Struct("<iIQI16s")
+
+
+class BlockManager:
+    """Owns every page: where it lives, who references it, and when it is evicted."""
+
+    def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
+                 sync: bool, evict_batch: int, stats: Stats) -> None:
+        self.geom = geom
+        self.pool = pool.array
+        self.pool_file = pool
+        self.spill = spill
+        self.seed = seed
+        self.sync = sync
+        self.stats = stats
+        self.pool_pages = pool.pool_pages
+        self.evict_batch = max(1, min(evict_batch, self.pool_pages))
+        self.next_uid = 1
+        self.tick = 0
+        self._cap = 0
+        self._grow(max(64, self.pool_pages))
+        self.free_pids: list[int] = list(range(self._cap - 1, -1, -1))
+        self.slot_pid = np.full(self.pool_pages, -1, np.int64)
+        self.slot_cpid = np.full(self.pool_pages, -1, np.int64)
+        self.stamp = np.zeros(self.pool_pages, np.int64)
+        self.pins = np.zeros(self.pool_pages, np.int32)
+        self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))
+        self.changed: set[int] = set()  # pids whose directory entry the next commit rewrites
+        self.flush: set[int] = set()  # slots written since the last commit
+        self.zombies: list[int] = []  # freed pids that the last commit still records
+        self.doomed: list[int] = []  # uids of uncommitted records to delete
+
+    # -- directory columns -------------------------------------------------
+    _COLUMNS = {
+        "uid": (np.uint64, 0), "slot": (np.int32, -1), "fill": (np.int32, 0),
+        "ref": (np.int32, 0), "csum": (np.uint64, 0), "csum_ok": (np.bool_, True),
+        "verified": (np.bool_, True), "rec": (np.int8, REC_NONE), "live": (np.bool_, False),
+        "corrupt": (np.bool_, False), "c_where": (np.int32, NOWHERE), "c_fill": (np.int32, 0),
+        "c_csum": (np.uint64, 0),
+    }
+
+    def _grow(self, capacity: int) -> None:
+        old = self._cap
+        for name, (dtype, default) in self._COLUMNS.items():
+            column = np.full(capacity, default, dtype=dtype)
+            if old:
+                column[:old] = getattr(self, name)
+            setattr(self, name, column)
+        self._cap = capacity
+        if old:
+            self.free_pids.extend(range(capacity - 1, old - 1, -1))
+
+    def _new_pid(self, uid: int) -> int:
+        if not self.free_pids:
+            self._grow(self._cap * 2)
+        pid = self.free_pids.pop()
+        for name, (_, default) in self._COLUMNS.items():
+            getattr(self, name)[pid] = default
+        self.uid[pid] = uid
+        self.live[pid] = True
+        return pid
+
+    def _recycle(self, pid: int) -> None:
+        self.live[pid] = False
+        self.free_pids.append(pid)
+
+    # -- allocation --------------------------------------------------------
+    def new_page(self) -> int:
+        """A fresh, empty, resident page with refcount 1."""
+        slot = self.take_slots(1)[0]
+        pid = self._new_pid(self.next_uid)
+        self.next_uid += 1
+        self.ref[pid] = 1
+        self._place(pid, slot)
+        self.mark_written(pid, 0)
+        self.stats.add("pages_allocated")
+        return pid
+
+    def copy_page(self, src: int) -> int:
+        """Copy-on-write: a new private page holding ``src``'s tokens."""
+        self.ensure_resident(np.array([src]))
+        self.pins[self.slot[src]] += 1
+        try:
+            dst = self.new_page()
+        finally:
+            self.pins[self.slot[src]] -= 1
+        self.verify(src)
+        self.pool[self.slot[dst]] = self.pool[self.slot[src]]
+        self.mark_written(dst, int(self.fill[src]))
+        self.stats.add("cow_copies")
+        return dst
+
+    def _place(self, pid: int, slot: int) -> None:
+        self.slot[pid] = slot
+        self.slot_pid[slot] = pid
+        self.tick += 1
+        self.stamp[slot] = self.tick
+        self.changed.add(pid)
+        self.flush.add(slot)
+
+    def mark_written(self, pid: int, fill: int) -> None:
+        """Record that ``pid``'s bytes changed and now hold ``fill`` tokens."""
+        self.fill[pid] = fill
+        self.csum_ok[pid] = False
+        if self.rec[pid] == REC_CURRENT:
+            self.rec[pid] = REC_STALE
+        self.changed.add(pid)
+        self.flush.add(int(self.slot[pid]))
+
+    def incref(self, pids: np.ndarray) -> None:
+        """One more reference to each of ``pids`` (duplicates count)."""
+        np.add.at(self.ref, pids, 1)
+
+    def decref(self, pids: np.ndarray) -> None:
+        """Drop a reference to each of ``pids``; pages reaching zero are freed."""
+        np.subtract.at(self.ref, pids, 1)
+        for pid in np.unique(pids[self.ref[pids] <= 0]).tolist():
+            self._free(pid)
+
+    def _free(self, pid: int) -> None:
+        slot = int(self.slot[pid])
+        if slot >= 0:
+            self.slot_pid[slot] = -1
+            self.slot[pid] = -1
+            if self.slot_cpid[slot] < 0:
+                self.free_slots.append(slot)
+        self.changed.discard(pid)
+        if self.c_where[pid] != NOWHERE:
+            self.zombies.append(pid)  # the commit that forgets it also frees its row
+            self.live[pid] = False
+            return
+        if self.rec[pid] != REC_NONE:
+            self.doomed.append(int(self.uid[pid]))
+        self._recycle(pid)
+
+    # -- residency -----------------------------------------------------------
+    def take_slots(self, count: int) -> list[int]:
+        """``count`` free slots, evicting least-recently-used pages in batches as needed."""
+        while len(self.free_slots) < count:
+            if not self.evict(max(count - len(self.free_slots), self.evict_batch)):
+                raise PoolExhausted(
+                    f"need {count} free slots, {len(self.free_slots)} free and every other slot pinned"
+                )
+        return [self.free_slots.pop() for _ in range(count)]
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Mark ``slots`` as used now (one tick for the whole call)."""
+        self.tick += 1
+        self.stamp[slots] = self.tick
+
+    def ensure_resident(self, pids: np.ndarray) -> np.ndarray:
+        """Restore any of ``pids`` that are spilled; return their slots.
+
+        The resident ones are pinned while the others are restored, so a restore
+        never evicts a page of the same request; pinning afterwards is the caller's.
+        """
+        slots = self.slot[pids]
+        missing = slots < 0
+        nmissing = int(np.count_nonzero(missing))
+        self.stats.add("resident_hits", len(pids) - nmissing)
+        if nmissing:
+            held = slots[~missing]
+            np.add.at(self.pins, held, 1)
+            try:
+                self._restore(np.unique(pids[missing]))
+            finally:
+                np.subtract.at(self.pins, held, 1)
+            slots = self.slot[pids]
+        self.touch(slots)
+        return slots
+
+    def available(self) -> int:
+        """How many slots are free or could be freed now (not pinned)."""
+        return int(self.pool_pages - np.count_nonzero(self.pins))
+
+    def evict(self, count: int) -> int:
+        """Spill up to ``count`` LRU unpinned slots in one transaction; return how many were freed."""
+        reclaim = np.flatnonzero((self.slot_pid < 0) & (self.slot_cpid >= 0) & (self.pins == 0))
+        live = np.flatnonzero((self.slot_pid >= 0) & (self.pins == 0))
+        if len(live) > count:
+            live = live[np.argpartition(self.stamp[live], count - 1)[:count]]
+        victims = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
+        if not victims:
+            return 0
+        puts: list[tuple[object, bytes, bytes | bytearray]] = []
+        for slot in victims:
+            pid = int(self.slot_pid[slot])
+            if pid < 0:  # a freed page whose committed bytes must outlive its slot
+                pid = int(self.slot_cpid[slot])
+                fill, csum, needs_record = int(self.c_fill[pid]), int(self.c_csum[pid]), True
+            else:
+                # An unverified page keeps its committed checksum, so damage is
+                # caught at restore instead of being laundered into a new record.
+                fill, csum = int(self.fill[pid]), self.checksum(pid)
+                needs_record = self.rec[pid] != REC_CURRENT
+            if needs_record:
+                puts.append((self.spill.pages, uid_key(int(self.uid[pid])),
+                             encode_record(self.geom, int(self.uid[pid]), fill, csum, self.pool[slot])))
+            if self.slot_cpid[slot] == pid:
+                puts.append((self.spill.dir, uid_key(int(self.uid[pid])),
+                             dir_entry(SPILLED, int(self.c_fill[pid]), int(self.c_csum[pid]))))
+        doomed, self.doomed = self.doomed, []
+
+        def body(txn: object) -> None:
+            for db, key, value in puts:
+                self.spill.put(txn, db, key, value)
+            for uid in doomed:
+                txn.delete(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
+
+        try:
+            self.spill.write(body, "evict")
+        except BaseException:
+            self.doomed = doomed + self.doomed
+            raise
+        faults.crashpoint("evict.after_commit")
+        for slot in victims:
+            pid = int(self.slot_pid[slot])
+            if pid >= 0:
+                self.slot[pid] = -1
+                self.slot_pid[slot] = -1
+                self.rec[pid] = REC_CURRENT
+            else:
+                pid = int(self.slot_cpid[slot])
+                self.rec[pid] = REC_CURRENT
+            if self.slot_cpid[slot] == pid:
+                self.c_where[pid] = SPILLED
+                self.slot_cpid[slot] = -1
+            self.free_slots.append(slot)
+        self.stats.add("evictions", len(victims))
+        self.stats.add("evict_batches")
+        self.stats.add("bytes_spilled", sum(len(v) for db, _, v in puts if db is self.spill.pages))
+        return len(victims)
+
+    def _restore(self, pids: np.ndarray) -> None:
+        order = pids.tolist()
+        # Restore in chunks the pool can hold; callers pin what they restored before.
+        slots = self.take_slots(len(order))
+        bad: PageCorrupt | None = None
+        with self.spill.begin_read() as txn:
+            for pid, slot in zip(order, slots):
+                started = time.perf_counter()
+                try:
+                    self._restore_one(txn, pid, slot)
+                except PageCorrupt as exc:
+                    self.free_slots.append(slot)
+                    self.corrupt[pid] = True
+                    self.stats.add("misses")
+                    bad = bad or exc
+                    continue
+                self.stats.restore_latency(time.perf_counter() - started)
+        self.stats.add("restores", len(order) - (bad is not None))
+        self.stats.add("spill_hits", len(order) - (bad is not None))
+        if bad is not None:
+            raise bad
+
+    def _restore_one(self, txn: object, pid: int, slot: int) -> None:
+        page, nbytes = self.read_record(txn, pid)
+        self.pool[slot] = page
+        self.stats.add("bytes_restored", nbytes)
+        self._place(pid, slot)
+
+    def read_record(self, txn: object, pid: int) -> tuple[np.ndarray, int]:
+        """Fetch and validate ``pid``'s spilled record; return a view of its page and its size.
+
+        Both the record's own checksum and the directory's (which may cover fewer
+        tokens, after a crash) must hold; otherwise ``PageCorrupt``.
+        """
+        uid = int(self.uid[pid])
+        if self.corrupt[pid]:
+            raise PageCorrupt(f"page {uid} is corrupt", uid)
+        value = txn.get(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
+        if value is None:
+            raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
+        header, page = decode_record(self.geom, value, uid)
+        fill, csum = int(self.fill[pid]), int(self.csum[pid])
+        ok = page_checksum(page, header["fill"], uid, self.seed) == header["csum"]
+        if ok and header["fill"] != fill:
+            ok = fill < header["fill"] and page_checksum(page, fill, uid, self.seed) == csum
+        elif ok:
+            ok = header["csum"] == csum
+        if not ok:
+            raise PageCorrupt(f"page {uid}: spilled record fails its checksum", uid)
+        return page, len(value)
+
+    # -- integrity -----------------------------------------------------------
+    def checksum(self, pid: int) -> int:
+        """The checksum of ``pid``'s current content (computed if it changed)."""
+        if not self.csum_ok[pid]:
+            self.csum[pid] = page_checksum(self.pool[self.slot[pid]], int(self.fill[pid]),
+                                           int(self.uid[pid]), self.seed)
+            self.csum_ok[pid] = True
+        return int(self.csum[pid])
+
+    def verify(self, pid: int) -> None:
+        """Check a resident page against its committed checksum once after reopen."""
+        if self.corrupt[pid]:
+            raise PageCorrupt(f"page {int(self.uid[pid])} is corrupt", int(self.uid[pid]))
+        if self.verified[pid]:
+            return
+        actual = page_checksum(self.pool[self.slot[pid]], int(self.fill[pid]),
+                               int(self.uid[pid]), self.seed)
+        if actual != int(self.csum[pid]):
+            self.corrupt[pid] = True
+            self.stats.add("misses")
+            raise PageCorrupt(f"page {int(self.uid[pid])}: pool slot {int(self.slot[pid])} "
+                              "fails its checksum", int(self.uid[pid]))
+        self.verified[pid] = True
+
+    def verify_many(self, pids: np.ndarray) -> None:
+        """``verify`` each page that has not been verified since reopen."""
+        for pid in pids[~self.verified[pids]].tolist():
+            self.verify(pid)
+
+
+def dir_entry(where: int, fill: int, csum: int) -> bytes:
+    """A directory value: placement (slot, -1 spilled), committed fill and checksum."""
+    return DIR_ENTRY.pack(where, fill, csum, 0, b"")
+

@@ -1,0 +1,220 @@
+"""Committing the in-memory state to LMDB, and loading it back on reopen.
+
+The commit protocol holds the write-ahead order: checksums of changed pages are
+computed, their pool slots flushed (durable mode), and only then one LMDB
+transaction records directory, block tables, LRU stamps and counters together.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import faults
+from .codec import FORMAT_VERSION, unpack_bounded
+from .errors import FormatVersionError, StoreCorrupt
+from .geometry import Geometry
+from .manager import DIR_ENTRY, NOWHERE, REC_CURRENT, REC_NONE, SPILLED, BlockManager, dir_entry
+from .sequence import Sequence
+from .spill import SpillStore, key_uid, uid_key
+
+_DIR_DTYPE = np.dtype([("where", "<i4"), ("fill", "<u4"), ("csum", "<u8"), ("flags", "<u4"),
+                       ("hash", "V16")])
+assert _DIR_DTYPE.itemsize == DIR_ENTRY.size
+
+
+def write_superblock(spill: SpillStore, fields: dict[str, Any]) -> None:
+    """Record the store's identity once, at creation."""
+    blob = msgpack.packb(fields)
+    spill.write(lambda txn: spill.put(txn, spill.meta, b"superblock", blob), "create")
+
+
+def read_superblock(spill: SpillStore) -> dict[str, Any]:
+    """The superblock, validated as untrusted input."""
+    with spill.begin_read() as txn:
+        raw = txn.get(b"superblock", db=spill.meta)
+        if raw is None:
+            raise StoreCorrupt(f"{spill.path}: superblock is missing (store creation never completed)")
+        try:
+            sb = unpack_bounded(bytes(raw), 4096)
+        except Exception:
+            raise StoreCorrupt(f"{spill.path}: superblock does not decode") from None
+    if not isinstance(sb, dict) or not {"format", "uuid", "geometry", "pool_pages"} <= set(sb):
+        raise StoreCorrupt(f"{spill.path}: superblock lacks required fields")
+    if type(sb["format"]) is not int:
+        raise StoreCorrupt(f"{spill.path}: superblock format field is invalid")
+    if sb["format"] > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{spill.path}: format version {sb['format']}; this pagedkv reads up to {FORMAT_VERSION}")
+    if not isinstance(sb["uuid"], bytes) or len(sb["uuid"]) != 16 or type(sb["pool_pages"]) is not int:
+        raise StoreCorrupt(f"{spill.path}: superblock identity fields are invalid")
+    try:
+        sb["geometry"] = Geometry.from_dict(sb["geometry"])
+    except Exception as exc:
+        raise StoreCorrupt(f"{spill.path}: superblock geometry is invalid ({exc})") from None
+    return sb
+
+
+def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dropped: set[bytes],
+           state: dict[str, Any], durable: bool) -> None:
+    """Make the current state the committed one, in write-ahead order."""
+    entries = []
+    record_deletes = []
+    for pid in mgr.changed:
+        slot = int(mgr.slot[pid])
+        csum = mgr.checksum(pid) if slot >= 0 else int(mgr.csum[pid])
+        entries.append((pid, slot if slot >= 0 else SPILLED, int(mgr.fill[pid]), csum))
+        if slot >= 0 and mgr.rec[pid] != REC_NONE:
+            record_deletes.append(int(mgr.uid[pid]))
+    for pid in mgr.zombies:
+        if mgr.rec[pid] != REC_NONE:
+            record_deletes.append(int(mgr.uid[pid]))
+    record_deletes.extend(mgr.doomed)
+    if durable:
+        mgr.pool_file.flush_slots(sorted(mgr.flush))
+    faults.crashpoint("commit.after_flush")
+    seq_puts = [(key, pack_table(mgr, seqs[key])) for key in dirty if key in seqs]
+    seq_deletes = [key for key in dropped if key not in seqs]
+    state_blob = msgpack.packb(state)
+    stamps = mgr.stamp.astype("<i8").tobytes()
+    zombies = list(mgr.zombies)
+
+    def body(txn: Any) -> None:
+        for pid, where, fill, csum in entries:
+            mgr.spill.put(txn, mgr.spill.dir, uid_key(int(mgr.uid[pid])), dir_entry(where, fill, csum))
+        for pid in zombies:
+            txn.delete(uid_key(int(mgr.uid[pid])), db=mgr.spill.dir)
+        for uid in record_deletes:
+            txn.delete(uid_key(uid), db=mgr.spill.pages)
+        for key, value in seq_puts:
+            mgr.spill.put(txn, mgr.spill.seqs, key, value)
+        for key in seq_deletes:
+            txn.delete(key, db=mgr.spill.seqs)
+        mgr.spill.put(txn, mgr.spill.meta, b"state", state_blob)
+        mgr.spill.put(txn, mgr.spill.meta, b"lru", stamps)
+
+    mgr.spill.write(body, "commit")
+    faults.crashpoint("commit.after_commit")
+    for pid, where, fill, csum in entries:
+        old = int(mgr.c_where[pid])
+        if old >= 0 and mgr.slot_cpid[old] == pid:
+            mgr.slot_cpid[old] = -1
+        mgr.c_where[pid], mgr.c_fill[pid], mgr.c_csum[pid] = where, fill, csum
+        if where >= 0:
+            mgr.slot_cpid[where] = pid
+            mgr.rec[pid] = REC_NONE
+    for pid in zombies:
+        old = int(mgr.c_where[pid])
+        if old >= 0 and mgr.slot_cpid[old] == pid:
+            mgr.slot_cpid[old] = -1
+        mgr.c_where[pid] = NOWHERE
+        mgr._recycle(pid)
+    mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0))[::-1].tolist()
+    mgr.changed.clear()
+    mgr.flush.clear()
+    mgr.zombies = []
+    mgr.doomed = []
+    dirty.clear()
+    dropped.clear()
+
+
+def pack_table(mgr: BlockManager, seq: Sequence) -> bytes:
+    """The block-table value of a sequence: [seq id, length, uids as little-endian u64]."""
+    uids = mgr.uid[seq.table].astype("<u8").tobytes()
+    return msgpack.packb([seq.seq_id, seq.length, uids])
+
+
+def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
+    """Rebuild the directory and the sequences from the last commit; O(metadata)."""
+    spill, geom = mgr.spill, mgr.geom
+    with spill.begin_read() as txn:
+        state_raw = txn.get(b"state", db=spill.meta)
+        stamps_raw = txn.get(b"lru", db=spill.meta)
+        state = _decode(state_raw, "state") if state_raw is not None else {}
+        stamps = bytes(stamps_raw) if stamps_raw is not None else b""
+        keys, values = [], []
+        for key, value in spill.iterate(txn, spill.dir):
+            keys.append(bytes(key))
+            values.append(bytes(value))
+        tables = [(bytes(k), bytes(v)) for k, v in spill.iterate(txn, spill.seqs)]
+        record_keys = [bytes(k) for k in spill.iterate(txn, spill.pages, keys_only=True)]
+    if any(len(k) != 8 for k in keys) or any(len(v) != DIR_ENTRY.size for v in values):
+        raise StoreCorrupt(f"{spill.path}: page directory entries are malformed")
+    count = len(keys)
+    uids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
+    rows = np.frombuffer(b"".join(values), dtype=_DIR_DTYPE)
+    while mgr._cap < count + 1:
+        mgr._grow(mgr._cap * 2)
+    mgr.free_pids = list(range(mgr._cap - 1, count - 1, -1))
+    pids = np.arange(count)
+    where = rows["where"].astype(np.int32)
+    fill = rows["fill"].astype(np.int64)
+    if count and (where.min() < SPILLED or where.max() >= mgr.pool_pages or fill.max() > geom.page_size):
+        raise StoreCorrupt(f"{spill.path}: page directory holds out-of-range placement or fill")
+    resident = where >= 0
+    if len(np.unique(where[resident])) != int(resident.sum()):
+        raise StoreCorrupt(f"{spill.path}: two pages claim one pool slot")
+    mgr.uid[:count] = uids
+    mgr.live[:count] = True
+    mgr.c_where[:count] = where
+    mgr.slot[:count] = np.where(resident, where, -1)
+    mgr.fill[:count] = mgr.c_fill[:count] = fill
+    mgr.csum[:count] = mgr.c_csum[:count] = rows["csum"]
+    mgr.csum_ok[:count] = True
+    mgr.verified[:count] = ~resident  # resident bytes are checked on first use
+    mgr.rec[:count] = np.where(resident, REC_NONE, REC_CURRENT)
+    mgr.slot_pid[where[resident]] = pids[resident]
+    mgr.slot_cpid[where[resident]] = pids[resident]
+    if len(stamps) == 8 * mgr.pool_pages:
+        mgr.stamp[:] = np.frombuffer(stamps, dtype="<i8")
+    mgr.free_slots = np.flatnonzero(mgr.slot_pid < 0)[::-1].tolist()
+    mgr.next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if count else 1)
+    mgr.tick = max(int(state.get("tick", 0)), int(mgr.stamp.max()))
+    seqs = _load_tables(mgr, tables, uids, spill.path)
+    if writer:
+        known = set(keys)
+        mgr.doomed = [key_uid(k) for k in record_keys if k not in known]
+        orphans = np.flatnonzero(mgr.ref[:count] == 0)
+        for pid in orphans.tolist():
+            mgr._free(pid)
+    return seqs, state
+
+
+def _load_tables(mgr: BlockManager, tables: list[tuple[bytes, bytes]], uids: np.ndarray,
+                 path: str) -> dict[bytes, Sequence]:
+    page_size = mgr.geom.page_size
+    seqs: dict[bytes, Sequence] = {}
+    for key, value in tables:
+        try:
+            seq_id, length, raw = unpack_bounded(value, 1 << 30)
+            table_uids = np.frombuffer(raw, dtype="<u8")
+        except Exception:
+            raise StoreCorrupt(f"{path}: a block table does not decode") from None
+        if type(length) is not int or length < 0 or len(table_uids) != -(-length // page_size) \
+                or msgpack.packb(seq_id) != key:
+            raise StoreCorrupt(f"{path}: block table of {seq_id!r} is inconsistent")
+        pos = np.searchsorted(uids, table_uids)
+        if len(table_uids) and (pos.max() >= len(uids) or (uids[pos] != table_uids).any()):
+            raise StoreCorrupt(f"{path}: block table of {seq_id!r} names a page not in the directory")
+        expected = np.full(len(pos), page_size)
+        if len(pos):
+            expected[-1] = length - (len(pos) - 1) * page_size
+        if (mgr.fill[pos] < expected).any():
+            raise StoreCorrupt(f"{path}: block table of {seq_id!r} is longer than its pages' fill")
+        seqs[key] = Sequence(seq_id, key, pos.astype(np.int64).copy(), length)
+        np.add.at(mgr.ref, pos, 1)
+    return seqs
+
+
+def _decode(raw: Any, what: str) -> dict[str, Any]:
+    try:
+        value = unpack_bounded(bytes(raw), 4096)
+    except Exception:
+        raise StoreCorrupt(f"{what} record does not decode") from None
+    if not isinstance(value, dict):
+        raise StoreCorrupt(f"{what} record is not a map")
+    return value
+

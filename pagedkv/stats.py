@@ -1,0 +1,38 @@
+"""Counters and a bounded latency window for ``KVStore.stats()``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+COUNTERS = (
+    "resident_hits", "spill_hits", "misses", "evictions", "restores", "bytes_spilled",
+    "bytes_restored", "evict_batches", "commits", "tokens_appended", "tokens_read", "steps",
+    "pages_allocated", "cow_copies",
+)
+
+
+class Stats:
+    """Monotonic counters plus the last ``window`` restore latencies (for p50/p99)."""
+
+    def __init__(self, window: int = 16384) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._lat = np.zeros(window, dtype=np.float64)
+        self._lat_n = 0
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Increase counter ``name`` by ``amount``."""
+        self.counts[name] += amount
+
+    def restore_latency(self, seconds: float) -> None:
+        """Record one page restore's latency."""
+        self._lat[self._lat_n % len(self._lat)] = seconds
+        self._lat_n += 1
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters and restore latency summary in milliseconds (0 when nothing restored)."""
+        out: dict[str, float] = dict(self.counts)
+        lat = self._lat[: min(self._lat_n, len(self._lat))] * 1e3
+        out["restore_ms_mean"] = float(lat.mean()) if len(lat) else 0.0
+        out["restore_ms_p50"] = float(np.percentile(lat, 50)) if len(lat) else 0.0
+        out["restore_ms_p99"] = float(np.percentile(lat, 99)) if len(lat) else 0.0
+        return out
