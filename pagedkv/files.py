@@ -81,3 +81,37 @@ def tighten_tree(path: str) -> None:
             full = os.path.join(root, name)
             if not os.path.islink(full):
                 os.chmod(full, FILE_MODE)
+
+
+MOUNTINFO = "/proc/self/mountinfo"  # a module attribute so tests can point it at a fake table
+REMOTE_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs")
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem holding ``path`` (longest mount point prefix), if known."""
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="replace") as table:
+            for line in table:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mount = fields[4].encode().decode("unicode_escape")
+                prefix = mount.rstrip("/") + "/"
+                if (target == mount or target.startswith(prefix) or mount == "/") and len(mount) >= len(best):
+                    best, best_type = mount, right.split()[0]
+    except OSError:
+        return None
+    return best_type
+
+
+def refuse_remote(path: str, allow_remote: bool) -> None:
+    """Refuse a network filesystem: LMDB's locks and mmap coherence do not hold there."""
+    if allow_remote:
+        return
+    fstype = filesystem_type(path)
+    if fstype in REMOTE_FS:
+        raise PagedKVError(f"{path} is on a {fstype} filesystem; pagedkv needs a local one "
+                           "(pass allow_remote=True to override)")

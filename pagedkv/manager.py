@@ -43,7 +43,9 @@ class BlockManager:
         self.sync = sync
         self.stats = stats
         self.pool_pages = pool.pool_pages
-        self.evict_batch = max(1, min(evict_batch, self.pool_pages))
+        # A batch amortises one synced transaction over many pages, but never empties
+        # a small pool in one go.
+        self.evict_batch = max(1, min(evict_batch, self.pool_pages // 4))
         self.next_uid = 1
         self.tick = 0
         self._cap = 0
@@ -236,6 +238,7 @@ class BlockManager:
             for uid in doomed:
                 txn.delete(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
 
+        faults.crashpoint("evict.before_commit")
         try:
             self.spill.write(body, "evict")
         except BaseException:
@@ -285,6 +288,7 @@ class BlockManager:
     def _restore_one(self, txn: object, pid: int, slot: int) -> None:
         page, nbytes = self.read_record(txn, pid)
         self.pool[slot] = page
+        faults.crashpoint("restore.after_copy")
         self.stats.add("bytes_restored", nbytes)
         self._place(pid, slot)
 

@@ -8,9 +8,10 @@ import time
 import uuid as uuidlib
 from typing import Any
 
+from . import faults
 from .codec import FORMAT_VERSION
 from .errors import GeometryMismatch, PagedKVError, StoreCorrupt
-from .files import fsync_dir, make_private_dir
+from .files import fsync_dir, make_private_dir, refuse_remote
 from .geometry import Geometry
 from .lockfile import WriterLock
 from .persist import read_superblock, write_superblock
@@ -28,7 +29,8 @@ def is_store(path: str) -> bool:
 
 def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                pool_pages: int | None = None, *, durability: str = "durable",
-               readonly: bool = False, evict_batch: int = 64, map_size: int | None = None) -> KVStore:
+               readonly: bool = False, evict_batch: int = 64, map_size: int | None = None,
+               allow_remote: bool = False) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -37,6 +39,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             crash), or "volatile" (nothing persists: an existing store is recreated).
         readonly: open without the writer lock and without writing a byte.
         evict_batch: pages spilled per LMDB transaction when the pool is full.
+        map_size: initial LMDB map size in bytes (it doubles on its own when full).
+        allow_remote: permit a network filesystem (unsafe for LMDB; refused by default).
     Raises:
         StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, PagedKVError.
     """
@@ -54,6 +58,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError(f"{path} exists and is not a directory")
     if os.path.islink(path):
         raise PagedKVError(f"{path} is a symbolic link; refused")
+    refuse_remote(os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else path,
+                  allow_remote)
     empty = not os.path.isdir(path) or not os.listdir(path)
     if readonly:
         if empty or not is_store(path):
@@ -64,6 +70,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     elif not is_store(path):
         raise PagedKVError(f"{path} exists and is not a pagedkv store; refusing to touch it")
     lock = WriterLock(os.path.join(path, LOCK_FILE))
+    faults.crashpoint("open.after_lock")
     try:
         if durability == "volatile":
             geometry, pool_pages = _recreate(path, geometry, pool_pages, map_size)
@@ -100,6 +107,7 @@ def _populate(path: str, geometry: Geometry, pool_pages: int, map_size: int | No
     store_uuid = uuidlib.uuid4().bytes
     pool = PagePool.create(os.path.join(path, POOL_FILE), geometry, pool_pages, store_uuid)
     pool.close()
+    faults.crashpoint("create.after_pool")
     spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=False, create=True, sync=True,
                        map_size=map_size)
     try:
@@ -109,6 +117,7 @@ def _populate(path: str, geometry: Geometry, pool_pages: int, map_size: int | No
         })
     finally:
         spill.close()
+    faults.crashpoint("create.after_superblock")
 
 
 def _recreate(path: str, geometry: Geometry | None, pool_pages: int | None,

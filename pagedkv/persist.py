@@ -73,6 +73,7 @@ def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dr
         if mgr.rec[pid] != REC_NONE:
             record_deletes.append(int(mgr.uid[pid]))
     record_deletes.extend(mgr.doomed)
+    faults.crashpoint("commit.before_flush")
     if durable:
         mgr.pool_file.flush_slots(sorted(mgr.flush))
     faults.crashpoint("commit.after_flush")

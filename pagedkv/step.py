@@ -83,16 +83,17 @@ def begin(store: KVStore, step: Step) -> None:
     step._pinned = slots
     try:
         for seq, count in zip(seqs, step.new_tokens):
-            step._undo.append((seq, seq.length, seq.npages, int(seq.pids[seq.npages - 1])
-                               if seq.npages else -1, _last_fill(mgr, seq)))
             seq.busy = True
             step._seqs.append(seq)
             if count:
+                step._undo.append((seq, seq.length, seq.npages, int(seq.pids[seq.npages - 1])
+                                   if seq.npages else -1, _last_fill(mgr, seq)))
                 pinned.append(_grow(store, seq, count))
-                step._pinned = np.concatenate(pinned)
     except BaseException:
+        step._pinned = np.concatenate(pinned)
         end(store, step, ok=False)
         raise
+    step._pinned = np.concatenate(pinned)
     mgr.touch(step._pinned)
     _build_outputs(store, step, seqs, page_size)
 

@@ -146,6 +146,7 @@ class KVStore:
             page[:, 0, offset:offset + take] = k[:, pos:pos + take]
             page[:, 1, offset:offset + take] = v[:, pos:pos + take]
             mgr.mark_written(pid, offset + take)
+            faults.crashpoint("append.after_write")
             seq.length += take
             pos += take
         self._dirty.add(seq.key)
@@ -243,6 +244,7 @@ class KVStore:
         seq = self._idle_seq(seq_id)
         del self._seqs[seq.key]
         self._mgr.decref(seq.table[::-1].copy())  # tail first, like the free order of vLLM
+        faults.crashpoint("drop.after_free")
         self._dirty.discard(seq.key)
         self._dropped.add(seq.key)
 
@@ -273,6 +275,7 @@ class KVStore:
     @_op(write=True)
     def _enter_step(self, step: Step) -> None:
         step_mod.begin(self, step)
+        faults.crashpoint("step.after_begin")
         me = threading.get_ident()
         self._active_steps[me] = self._active_steps.get(me, 0) + 1
         self._stats.add("steps")
@@ -283,6 +286,7 @@ class KVStore:
             me = threading.get_ident()
             try:
                 step_mod.end(self, step, ok)
+                faults.crashpoint("step.after_end")
             finally:
                 self._active_steps[me] -= 1
                 if not self._active_steps[me]:
