@@ -74,8 +74,7 @@ class SpillStore:
             raise lmdb_error(exc, f"cannot open spill store {path}") from None
         try:
             if readonly:
-                with self.env.begin() as txn:
-                    self.dbs = {name: self.env.open_db(name, txn=txn, create=False) for name in DB_NAMES}
+                self.dbs = {name: self.env.open_db(name, create=False) for name in DB_NAMES}
             else:
                 self.dbs = {name: self.env.open_db(name, create=True) for name in DB_NAMES}
                 self.stale_readers = self.env.reader_check()

@@ -209,21 +209,42 @@ class KVStore:
         shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
         out_k, out_v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
         first, last = start // page_size, -(-stop // page_size)
-        chunk = mgr.available()
-        if stop > start and chunk < 1:
-            raise PoolExhausted("every pool slot is pinned by active steps")
-        for lo in range(first, last, max(chunk, 1)):
-            pids = seq.pids[lo:min(last, lo + chunk)].copy()
-            slots = mgr.ensure_resident(pids)
-            mgr.verify_many(pids)
-            for index, slot in enumerate(slots.tolist(), lo):
-                a = max(start, index * page_size)
-                b = min(stop, (index + 1) * page_size)
-                page = mgr.pool[slot]
-                out_k[:, a - start:b - start] = page[:, 0, a - index * page_size:b - index * page_size]
-                out_v[:, a - start:b - start] = page[:, 1, a - index * page_size:b - index * page_size]
+
+        def copy_out(index: int, page: np.ndarray) -> None:
+            a, b = max(start, index * page_size), min(stop, (index + 1) * page_size)
+            base = index * page_size
+            out_k[:, a - start:b - start] = page[:, 0, a - base:b - base]
+            out_v[:, a - start:b - start] = page[:, 1, a - base:b - base]
+
+        if self.readonly:
+            self._read_in_place(seq.pids[first:last].copy(), first, copy_out)
+        else:
+            chunk = mgr.available()
+            if stop > start and chunk < 1:
+                raise PoolExhausted("every pool slot is pinned by active steps")
+            for lo in range(first, last, max(chunk, 1)):
+                pids = seq.pids[lo:min(last, lo + chunk)].copy()
+                slots = mgr.ensure_resident(pids)
+                mgr.verify_many(pids)
+                for index, slot in enumerate(slots.tolist(), lo):
+                    copy_out(index, mgr.pool[slot])
         self._stats.add("tokens_read", stop - start)
         return out_k, out_v
+
+    def _read_in_place(self, pids: np.ndarray, first: int,
+                       copy_out: Callable[[int, np.ndarray], None]) -> None:
+        """Serve pages where they lie (pool or spill record): a read-only handle moves nothing."""
+        mgr = self._mgr
+        with self._spill.begin_read() as txn:
+            for index, pid in enumerate(pids.tolist(), first):
+                if mgr.slot[pid] >= 0:
+                    mgr.verify(pid)
+                    self._stats.add("resident_hits")
+                    copy_out(index, mgr.pool[mgr.slot[pid]])
+                else:
+                    page, _ = mgr.read_record(txn, pid)
+                    self._stats.add("spill_hits")
+                    copy_out(index, page)
 
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:
