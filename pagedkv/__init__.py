@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import (FormatVersionError, GeometryMismatch, PageCorrupt, PagedKVError, PoolExhausted,
+from .errors import (FormatVersionError, GeometryMismatch, ModelMismatch, PageCorrupt, PagedKVError, PoolExhausted,
                      ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
 from .geometry import PRESETS, Geometry
@@ -15,6 +15,6 @@ __version__ = "0.1.0"
 __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
-    "GeometryMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
+    "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
     "FormatVersionError", "__version__",
 ]

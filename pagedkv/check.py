@@ -87,7 +87,7 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
                 mgr.read_record(txn, pid)
             except PageCorrupt as exc:
                 problems.append(str(exc))
-        known = set(mgr.uid[live].tolist()) | set(mgr.doomed)
+        known = set(mgr.uid[live].tolist()) | {uid for uid, _ in mgr.doomed}
         known |= {int(mgr.uid[p]) for p in mgr.zombies}
         for key in mgr.spill.iterate(txn, mgr.spill.pages, keys_only=True):
             if key_uid(bytes(key)) not in known:

@@ -46,6 +46,10 @@ class GeometryMismatch(PagedKVError):
     """The geometry (or pool size) asked for differs from the one on disk."""
 
 
+class ModelMismatch(PagedKVError):
+    """The store holds KV of another model (its fingerprint differs)."""
+
+
 class StoreFull(PagedKVError):
     """The disk, the file-size limit or the spill cap is exhausted."""
 

@@ -16,16 +16,19 @@ import time
 import numpy as np
 
 from . import faults
-from .codec import decode_record, encode_record, page_checksum
+from .codec import decode_record, page_checksum
 from .errors import PageCorrupt, PoolExhausted
+from .evict import evict as evict_batch
 from .geometry import Geometry
 from .pool import PagePool
+from .prefix import PrefixIndex
 from .spill import SpillStore, uid_key
 from .stats import Stats
 
 NOWHERE = -2  # c_where of a page no commit has recorded
 SPILLED = -1
 REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
+HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
 # Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
 DIR_ENTRY = struct.Struct("<iIQI16s")
 
@@ -34,7 +37,8 @@ class BlockManager:
     """Owns every page: where it lives, who references it, and when it is evicted."""
 
     def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
-                 sync: bool, evict_batch: int, stats: Stats) -> None:
+                 sync: bool, evict_batch: int, stats: Stats, salt: bytes,
+                 spill_limit: int | None = None) -> None:
         self.geom = geom
         self.pool = pool.array
         self.pool_file = pool
@@ -59,15 +63,21 @@ class BlockManager:
         self.changed: set[int] = set()  # pids whose directory entry the next commit rewrites
         self.flush: set[int] = set()  # slots written since the last commit
         self.zombies: list[int] = []  # freed pids that the last commit still records
-        self.doomed: list[int] = []  # uids of uncommitted records to delete
+        self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
+        self.prefix = PrefixIndex(salt, geom.page_size)
+        self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
+        self.spill_bytes = 0  # bytes of page records in LMDB
+        self.spill_limit = spill_limit
 
     # -- directory columns -------------------------------------------------
     _COLUMNS = {
         "uid": (np.uint64, 0), "slot": (np.int32, -1), "fill": (np.int32, 0),
-        "ref": (np.int32, 0), "csum": (np.uint64, 0), "csum_ok": (np.bool_, True),
+        "csum": (np.uint64, 0), "csum_ok": (np.bool_, True),
         "verified": (np.bool_, True), "rec": (np.int8, REC_NONE), "live": (np.bool_, False),
         "corrupt": (np.bool_, False), "c_where": (np.int32, NOWHERE), "c_fill": (np.int32, 0),
-        "c_csum": (np.uint64, 0),
+        "c_csum": (np.uint64, 0), "flags": (np.uint8, 0), "c_flags": (np.uint8, 0),
+        "hash": (np.dtype("V16"), b""), "ref": (np.int32, 0), "c_ref": (np.int32, 0),
+        "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
     }
 
     def _grow(self, capacity: int) -> None:
@@ -118,6 +128,9 @@ class BlockManager:
         self.verify(src)
         self.pool[self.slot[dst]] = self.pool[self.slot[src]]
         self.mark_written(dst, int(self.fill[src]))
+        if self.flags[src] & HAS_TOKENS:
+            self.flags[dst] |= HAS_TOKENS
+            self.page_tokens[dst] = self.page_tokens_of(src)
         self.stats.add("cow_copies")
         return dst
 
@@ -149,6 +162,8 @@ class BlockManager:
             self._free(pid)
 
     def _free(self, pid: int) -> None:
+        if self.flags[pid] & HASHED and self.prefix.holds(bytes(self.hash[pid]), pid):
+            return  # kept as cache: evictable like any page, found again by its hash
         slot = int(self.slot[pid])
         if slot >= 0:
             self.slot_pid[slot] = -1
@@ -156,12 +171,13 @@ class BlockManager:
             if self.slot_cpid[slot] < 0:
                 self.free_slots.append(slot)
         self.changed.discard(pid)
+        self.page_tokens.pop(pid, None)
         if self.c_where[pid] != NOWHERE:
             self.zombies.append(pid)  # the commit that forgets it also frees its row
             self.live[pid] = False
             return
         if self.rec[pid] != REC_NONE:
-            self.doomed.append(int(self.uid[pid]))
+            self.doomed.append((int(self.uid[pid]), int(self.rec_bytes[pid])))
         self._recycle(pid)
 
     # -- residency -----------------------------------------------------------
@@ -206,62 +222,55 @@ class BlockManager:
 
     def evict(self, count: int) -> int:
         """Spill up to ``count`` LRU unpinned slots in one transaction; return how many were freed."""
-        reclaim = np.flatnonzero((self.slot_pid < 0) & (self.slot_cpid >= 0) & (self.pins == 0))
-        live = np.flatnonzero((self.slot_pid >= 0) & (self.pins == 0))
-        if len(live) > count:
-            live = live[np.argpartition(self.stamp[live], count - 1)[:count]]
-        victims = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
-        if not victims:
-            return 0
-        puts: list[tuple[object, bytes, bytes | bytearray]] = []
-        for slot in victims:
-            pid = int(self.slot_pid[slot])
-            if pid < 0:  # a freed page whose committed bytes must outlive its slot
-                pid = int(self.slot_cpid[slot])
-                fill, csum, needs_record = int(self.c_fill[pid]), int(self.c_csum[pid]), True
-            else:
-                # An unverified page keeps its committed checksum, so damage is
-                # caught at restore instead of being laundered into a new record.
-                fill, csum = int(self.fill[pid]), self.checksum(pid)
-                needs_record = self.rec[pid] != REC_CURRENT
-            if needs_record:
-                puts.append((self.spill.pages, uid_key(int(self.uid[pid])),
-                             encode_record(self.geom, int(self.uid[pid]), fill, csum, self.pool[slot])))
-            if self.slot_cpid[slot] == pid:
-                puts.append((self.spill.dir, uid_key(int(self.uid[pid])),
-                             dir_entry(SPILLED, int(self.c_fill[pid]), int(self.c_csum[pid]))))
-        doomed, self.doomed = self.doomed, []
+        return evict_batch(self, count)
 
-        def body(txn: object) -> None:
-            for db, key, value in puts:
-                self.spill.put(txn, db, key, value)
-            for uid in doomed:
-                txn.delete(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
+    def droppable(self) -> np.ndarray:
+        """Cache-only pages that no sequence, committed or live, references and no step pins."""
+        rows = np.flatnonzero(self.live & (self.ref == 0) & (self.c_ref == 0))
+        resident = self.slot[rows] >= 0
+        pinned = np.zeros(len(rows), bool)
+        pinned[resident] = self.pins[self.slot[rows[resident]]] > 0
+        return rows[~pinned]
 
-        faults.crashpoint("evict.before_commit")
-        try:
-            self.spill.write(body, "evict")
-        except BaseException:
-            self.doomed = doomed + self.doomed
-            raise
-        faults.crashpoint("evict.after_commit")
-        for slot in victims:
-            pid = int(self.slot_pid[slot])
-            if pid >= 0:
-                self.slot[pid] = -1
-                self.slot_pid[slot] = -1
-                self.rec[pid] = REC_CURRENT
-            else:
-                pid = int(self.slot_cpid[slot])
-                self.rec[pid] = REC_CURRENT
+    def last_use(self, pid: int) -> int:
+        """The tick of a page's last use (its slot's stamp, or the stamp it was spilled with)."""
+        slot = int(self.slot[pid])
+        return int(self.stamp[slot]) if slot >= 0 else int(self.pstamp[pid])
+
+    def forget(self, pid: int) -> None:
+        """Remove a dropped cache page from memory (its LMDB entries are already gone)."""
+        self.prefix.discard(bytes(self.hash[pid]), pid)
+        slot = int(self.slot[pid])
+        if slot >= 0:
+            self.slot_pid[slot] = -1
             if self.slot_cpid[slot] == pid:
-                self.c_where[pid] = SPILLED
                 self.slot_cpid[slot] = -1
             self.free_slots.append(slot)
-        self.stats.add("evictions", len(victims))
-        self.stats.add("evict_batches")
-        self.stats.add("bytes_spilled", sum(len(v) for db, _, v in puts if db is self.spill.pages))
-        return len(victims)
+            self.slot[pid] = -1
+        self.spill_bytes -= int(self.rec_bytes[pid])
+        self.changed.discard(pid)
+        self.page_tokens.pop(pid, None)
+        self._recycle(pid)
+
+    def page_tokens_of(self, pid: int) -> np.ndarray | None:
+        """A page's token ids: from memory, else from the committed tokens table."""
+        token_ids = self.page_tokens.get(pid)
+        if token_ids is None and self.flags[pid] & HAS_TOKENS:
+            with self.spill.begin_read() as txn:
+                raw = txn.get(uid_key(int(self.uid[pid])), db=self.spill.tokens)
+                if raw is not None and len(raw) == 4 * int(self.fill[pid]):
+                    token_ids = np.frombuffer(bytes(raw), dtype="<u4")
+        return token_ids
+
+    def committed_entry(self, pid: int, where: int) -> bytes:
+        """Directory value of ``pid``'s committed state at a new placement."""
+        return dir_entry(where, int(self.c_fill[pid]), int(self.c_csum[pid]), int(self.c_flags[pid]),
+                         bytes(self.hash[pid]))
+
+    def current_entry(self, pid: int, where: int) -> bytes:
+        """Directory value of ``pid``'s current state at ``where``."""
+        return dir_entry(where, int(self.fill[pid]), self.checksum(pid) if where >= 0 else int(self.csum[pid]),
+                         int(self.flags[pid]), bytes(self.hash[pid]))
 
     def _restore(self, pids: np.ndarray) -> None:
         order = pids.tolist()
@@ -345,7 +354,7 @@ class BlockManager:
             self.verify(pid)
 
 
-def dir_entry(where: int, fill: int, csum: int) -> bytes:
-    """A directory value: placement (slot, -1 spilled), committed fill and checksum."""
-    return DIR_ENTRY.pack(where, fill, csum, 0, b"")
+def dir_entry(where: int, fill: int, csum: int, flags: int, digest: bytes) -> bytes:
+    """A directory value: placement (slot, -1 spilled), fill, checksum, flags, content hash."""
+    return DIR_ENTRY.pack(where, fill, csum, flags, digest)
 

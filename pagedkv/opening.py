@@ -6,15 +6,16 @@ import os
 import shutil
 import time
 import uuid as uuidlib
+from dataclasses import dataclass
 from typing import Any
 
 from . import faults
 from .codec import FORMAT_VERSION
-from .errors import GeometryMismatch, PagedKVError, StoreCorrupt
+from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt
 from .files import fsync_dir, make_private_dir, refuse_remote
 from .geometry import Geometry
 from .lockfile import WriterLock
-from .persist import read_superblock, write_superblock
+from .persist import read_superblock, rewrite_superblock, write_superblock
 from .pool import PagePool
 from .spill import SpillStore
 from .store import DURABILITY, KVStore
@@ -30,7 +31,8 @@ def is_store(path: str) -> bool:
 def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                pool_pages: int | None = None, *, durability: str = "durable",
                readonly: bool = False, evict_batch: int = 64, map_size: int | None = None,
-               allow_remote: bool = False) -> KVStore:
+               allow_remote: bool = False, model: str | None = None,
+               allow_model_change: bool = False, spill_limit_bytes: int | None = None) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -41,6 +43,11 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         evict_batch: pages spilled per LMDB transaction when the pool is full.
         map_size: initial LMDB map size in bytes (it doubles on its own when full).
         allow_remote: permit a network filesystem (unsafe for LMDB; refused by default).
+        model: a model fingerprint (e.g. name plus weights hash) recorded at creation and
+            mixed into every prefix hash; reopening with another one is ``ModelMismatch``
+            unless ``allow_model_change`` (then the store adopts it: old prefixes never match).
+        spill_limit_bytes: cap on the bytes of spilled page records; least recently used
+            cache-only pages are dropped to stay under it, else ``StoreFull``.
     Raises:
         StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, PagedKVError.
     """
@@ -54,6 +61,12 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError(f"pool_pages must be a positive int, got {pool_pages!r}")
     if geometry is not None and not isinstance(geometry, Geometry):
         raise PagedKVError("geometry must be a pagedkv.Geometry")
+    if model is not None and not isinstance(model, str):
+        raise PagedKVError("model must be a str fingerprint")
+    if spill_limit_bytes is not None and (not isinstance(spill_limit_bytes, int) or spill_limit_bytes < 1):
+        raise PagedKVError("spill_limit_bytes must be a positive int")
+    opts = _Options(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
+                    allow_model_change, spill_limit_bytes)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise PagedKVError(f"{path} exists and is not a directory")
     if os.path.islink(path):
@@ -64,32 +77,46 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     if readonly:
         if empty or not is_store(path):
             raise StoreCorrupt(f"{path} is not a pagedkv store")
-        return _open_existing(path, geometry, pool_pages, durability, True, evict_batch, map_size, None)
+        return _open_existing(path, opts, None)
     if empty:
-        _create(path, geometry, pool_pages, map_size)
+        _create(path, opts)
     elif not is_store(path):
         raise PagedKVError(f"{path} exists and is not a pagedkv store; refusing to touch it")
     lock = WriterLock(os.path.join(path, LOCK_FILE))
     faults.crashpoint("open.after_lock")
     try:
         if durability == "volatile":
-            geometry, pool_pages = _recreate(path, geometry, pool_pages, map_size)
-        return _open_existing(path, geometry, pool_pages, durability, False, evict_batch, map_size, lock)
+            _recreate(path, opts)
+        return _open_existing(path, opts, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def _create(path: str, geometry: Geometry | None, pool_pages: int | None, map_size: int | None) -> None:
+@dataclass
+class _Options:
+    geometry: Geometry | None
+    pool_pages: int | None
+    durability: str
+    readonly: bool
+    evict_batch: int
+    map_size: int | None
+    model: str | None
+    allow_model_change: bool
+    spill_limit: int | None
+
+
+def _create(path: str, opts: _Options) -> None:
     """Build the store in a private sibling directory, then rename it into place."""
-    if geometry is None or pool_pages is None:
+    if opts.geometry is None or opts.pool_pages is None:
         raise PagedKVError(f"{path} holds no store; creating one needs geometry and pool_pages")
     parent, name = os.path.split(os.path.abspath(path))
-    make_private_dir(parent) if not os.path.isdir(parent) else None
+    if not os.path.isdir(parent):
+        make_private_dir(parent)
     temp = os.path.join(parent, f".{name}.creating-{os.getpid()}-{uuidlib.uuid4().hex[:8]}")
     make_private_dir(temp)
     try:
-        _populate(temp, geometry, pool_pages, map_size)
+        _populate(temp, opts.geometry, opts.pool_pages, opts)
         try:
             os.rename(temp, path)  # replaces an empty directory, fails on a populated one
         except OSError:
@@ -103,44 +130,43 @@ def _create(path: str, geometry: Geometry | None, pool_pages: int | None, map_si
         raise
 
 
-def _populate(path: str, geometry: Geometry, pool_pages: int, map_size: int | None) -> None:
+def _populate(path: str, geometry: Geometry, pool_pages: int, opts: _Options) -> None:
     store_uuid = uuidlib.uuid4().bytes
     pool = PagePool.create(os.path.join(path, POOL_FILE), geometry, pool_pages, store_uuid)
     pool.close()
     faults.crashpoint("create.after_pool")
     spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=False, create=True, sync=True,
-                       map_size=map_size)
+                       map_size=opts.map_size)
     try:
         write_superblock(spill, {
             "format": FORMAT_VERSION, "uuid": store_uuid, "geometry": geometry.to_dict(),
-            "pool_pages": pool_pages, "created": time.time(),
+            "pool_pages": pool_pages, "created": time.time(), "salt": os.urandom(16),
+            "model": opts.model,
         })
     finally:
         spill.close()
     faults.crashpoint("create.after_superblock")
 
 
-def _recreate(path: str, geometry: Geometry | None, pool_pages: int | None,
-              map_size: int | None) -> tuple[Geometry, int]:
+def _recreate(path: str, opts: _Options) -> None:
     """Volatile mode: replace the store's contents (the caller holds the lock)."""
+    geometry, pool_pages = opts.geometry, opts.pool_pages
     if geometry is None or pool_pages is None:
         pool = PagePool.open(os.path.join(path, POOL_FILE), writable=False)
         geometry, pool_pages = geometry or pool.geom, pool_pages or pool.pool_pages
         pool.close()
     os.unlink(os.path.join(path, POOL_FILE))
     shutil.rmtree(os.path.join(path, SPILL_DIR), ignore_errors=True)
-    _populate(path, geometry, pool_pages, map_size)
-    return geometry, pool_pages
+    _populate(path, geometry, pool_pages, opts)
 
 
-def _open_existing(path: str, geometry: Geometry | None, pool_pages: int | None, durability: str,
-                   readonly: bool, evict_batch: int, map_size: int | None, lock: Any) -> KVStore:
-    if not readonly:
+def _open_existing(path: str, opts: _Options, lock: Any) -> KVStore:
+    if not opts.readonly:
         make_private_dir(path)
-    pool = PagePool.open(os.path.join(path, POOL_FILE), writable=not readonly)
+    pool = PagePool.open(os.path.join(path, POOL_FILE), writable=not opts.readonly)
     try:
-        spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=readonly, create=False,
-                           sync=durability == "durable", map_size=map_size)
+        spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=opts.readonly, create=False,
+                           sync=opts.durability == "durable", map_size=opts.map_size)
     except BaseException:
         pool.close()
         raise
@@ -153,11 +179,18 @@ def _open_existing(path: str, geometry: Geometry | None, pool_pages: int | None,
                                f"{superblock['pool_pages']}")
         if superblock["geometry"] != pool.geom:
             raise StoreCorrupt(f"{path}: pool.bin geometry differs from the superblock's")
-        if geometry is not None:
-            pool.geom.require_same(geometry)
-        if pool_pages is not None and pool_pages != pool.pool_pages:
-            raise GeometryMismatch(f"{path} has {pool.pool_pages} pool pages, asked {pool_pages}")
-        return KVStore(path, pool, spill, superblock, durability, readonly, evict_batch, lock)
+        if opts.geometry is not None:
+            pool.geom.require_same(opts.geometry)
+        if opts.pool_pages is not None and opts.pool_pages != pool.pool_pages:
+            raise GeometryMismatch(f"{path} has {pool.pool_pages} pool pages, asked {opts.pool_pages}")
+        if opts.model is not None and opts.model != superblock.get("model"):
+            if not opts.allow_model_change or opts.readonly:
+                raise ModelMismatch(f"{path} holds KV of model {superblock.get('model')!r}, "
+                                    f"not {opts.model!r} (allow_model_change=True to adopt it)")
+            superblock["model"] = opts.model
+            rewrite_superblock(spill, superblock)
+        return KVStore(path, pool, spill, superblock, opts.durability, opts.readonly,
+                       opts.evict_batch, lock, opts.spill_limit)
     except BaseException:
         spill.close()
         pool.close()

@@ -17,7 +17,8 @@ from . import faults
 from .codec import FORMAT_VERSION, unpack_bounded
 from .errors import FormatVersionError, StoreCorrupt
 from .geometry import Geometry
-from .manager import DIR_ENTRY, NOWHERE, REC_CURRENT, REC_NONE, SPILLED, BlockManager, dir_entry
+from .manager import (DIR_ENTRY, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, SPILLED,
+                      BlockManager)
 from .sequence import Sequence
 from .spill import SpillStore, key_uid, uid_key
 
@@ -30,6 +31,12 @@ def write_superblock(spill: SpillStore, fields: dict[str, Any]) -> None:
     """Record the store's identity once, at creation."""
     blob = msgpack.packb(fields)
     spill.write(lambda txn: spill.put(txn, spill.meta, b"superblock", blob), "create")
+
+
+def rewrite_superblock(spill: SpillStore, superblock: dict[str, Any]) -> None:
+    """Record a changed superblock field (the model fingerprint, when adopting another)."""
+    fields = dict(superblock, geometry=superblock["geometry"].to_dict())
+    write_superblock(spill, fields)
 
 
 def read_superblock(spill: SpillStore) -> dict[str, Any]:
@@ -61,18 +68,20 @@ def read_superblock(spill: SpillStore) -> dict[str, Any]:
 def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dropped: set[bytes],
            state: dict[str, Any], durable: bool) -> None:
     """Make the current state the committed one, in write-ahead order."""
-    entries = []
-    record_deletes = []
+    entries: list[tuple[int, int, bytes]] = []
+    token_puts: list[tuple[bytes, bytes]] = []
+    record_deletes: list[int] = []  # pids whose record goes
     for pid in mgr.changed:
         slot = int(mgr.slot[pid])
-        csum = mgr.checksum(pid) if slot >= 0 else int(mgr.csum[pid])
-        entries.append((pid, slot if slot >= 0 else SPILLED, int(mgr.fill[pid]), csum))
+        where = slot if slot >= 0 else SPILLED
+        entries.append((pid, where, mgr.current_entry(pid, where)))
         if slot >= 0 and mgr.rec[pid] != REC_NONE:
-            record_deletes.append(int(mgr.uid[pid]))
-    for pid in mgr.zombies:
-        if mgr.rec[pid] != REC_NONE:
-            record_deletes.append(int(mgr.uid[pid]))
-    record_deletes.extend(mgr.doomed)
+            record_deletes.append(pid)
+        if mgr.flags[pid] & HAS_TOKENS and pid in mgr.page_tokens:
+            token_puts.append((uid_key(int(mgr.uid[pid])), mgr.page_tokens[pid].tobytes()))
+    zombies = list(mgr.zombies)
+    record_deletes += [pid for pid in zombies if mgr.rec[pid] != REC_NONE]
+    doomed = list(mgr.doomed)
     faults.crashpoint("commit.before_flush")
     if durable:
         mgr.pool_file.flush_slots(sorted(mgr.flush))
@@ -81,45 +90,65 @@ def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dr
     seq_deletes = [key for key in dropped if key not in seqs]
     state_blob = msgpack.packb(state)
     stamps = mgr.stamp.astype("<i8").tobytes()
-    zombies = list(mgr.zombies)
+    spill = mgr.spill
 
     def body(txn: Any) -> None:
-        for pid, where, fill, csum in entries:
-            mgr.spill.put(txn, mgr.spill.dir, uid_key(int(mgr.uid[pid])), dir_entry(where, fill, csum))
+        for pid, _, value in entries:
+            spill.put(txn, spill.dir, uid_key(int(mgr.uid[pid])), value)
+        for key, value in token_puts:
+            spill.put(txn, spill.tokens, key, value)
         for pid in zombies:
-            txn.delete(uid_key(int(mgr.uid[pid])), db=mgr.spill.dir)
-        for uid in record_deletes:
-            txn.delete(uid_key(uid), db=mgr.spill.pages)
+            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.dir)
+            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.tokens)
+        for pid in record_deletes:
+            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.pages)
+        for uid, _ in doomed:
+            txn.delete(uid_key(uid), db=spill.pages)
         for key, value in seq_puts:
-            mgr.spill.put(txn, mgr.spill.seqs, key, value)
+            spill.put(txn, spill.seqs, key, value)
         for key in seq_deletes:
-            txn.delete(key, db=mgr.spill.seqs)
-        mgr.spill.put(txn, mgr.spill.meta, b"state", state_blob)
-        mgr.spill.put(txn, mgr.spill.meta, b"lru", stamps)
+            txn.delete(key, db=spill.seqs)
+        spill.put(txn, spill.meta, b"state", state_blob)
+        spill.put(txn, spill.meta, b"lru", stamps)
 
-    mgr.spill.write(body, "commit")
+    spill.write(body, "commit")
     faults.crashpoint("commit.after_commit")
-    for pid, where, fill, csum in entries:
+    _apply(mgr, entries, zombies, record_deletes, doomed)
+    dirty.clear()
+    dropped.clear()
+
+
+def _apply(mgr: BlockManager, entries: list[tuple[int, int, bytes]], zombies: list[int],
+           record_deletes: list[int], doomed: list[tuple[int, int]]) -> None:
+    """Update the in-memory committed view after a commit returned."""
+    page_size = mgr.geom.page_size
+    for pid in record_deletes:
+        mgr.spill_bytes -= int(mgr.rec_bytes[pid])
+        mgr.rec_bytes[pid] = 0
+        mgr.rec[pid] = REC_NONE
+    mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
+    for pid, where, _ in entries:
         old = int(mgr.c_where[pid])
         if old >= 0 and mgr.slot_cpid[old] == pid:
             mgr.slot_cpid[old] = -1
-        mgr.c_where[pid], mgr.c_fill[pid], mgr.c_csum[pid] = where, fill, csum
+        mgr.c_where[pid], mgr.c_fill[pid] = where, mgr.fill[pid]
+        mgr.c_csum[pid], mgr.c_flags[pid] = mgr.csum[pid], mgr.flags[pid]
         if where >= 0:
             mgr.slot_cpid[where] = pid
-            mgr.rec[pid] = REC_NONE
+        if mgr.fill[pid] == page_size:
+            mgr.page_tokens.pop(pid, None)  # committed to the tokens table; read back on a hit
     for pid in zombies:
         old = int(mgr.c_where[pid])
         if old >= 0 and mgr.slot_cpid[old] == pid:
             mgr.slot_cpid[old] = -1
         mgr.c_where[pid] = NOWHERE
         mgr._recycle(pid)
+    mgr.c_ref[:] = mgr.ref
     mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0))[::-1].tolist()
     mgr.changed.clear()
     mgr.flush.clear()
     mgr.zombies = []
     mgr.doomed = []
-    dirty.clear()
-    dropped.clear()
 
 
 def pack_table(mgr: BlockManager, seq: Sequence) -> bytes:
@@ -141,7 +170,8 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
             keys.append(bytes(key))
             values.append(bytes(value))
         tables = [(bytes(k), bytes(v)) for k, v in spill.iterate(txn, spill.seqs)]
-        record_keys = [bytes(k) for k in spill.iterate(txn, spill.pages, keys_only=True)]
+        # Buffers make len() free: record sizes without reading the records.
+        record_sizes = {bytes(k): len(v) for k, v in spill.iterate(txn, spill.pages)}
     if any(len(k) != 8 for k in keys) or any(len(v) != DIR_ENTRY.size for v in values):
         raise StoreCorrupt(f"{spill.path}: page directory entries are malformed")
     count = len(keys)
@@ -167,6 +197,12 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     mgr.csum_ok[:count] = True
     mgr.verified[:count] = ~resident  # resident bytes are checked on first use
     mgr.rec[:count] = np.where(resident, REC_NONE, REC_CURRENT)
+    mgr.flags[:count] = mgr.c_flags[:count] = rows["flags"]
+    mgr.hash[:count] = rows["hash"]
+    mgr.rec_bytes[:count] = [record_sizes.get(key, 0) for key in keys]
+    mgr.spill_bytes = sum(record_sizes.values())
+    for pid in np.flatnonzero(rows["flags"] & HASHED).tolist():
+        mgr.prefix.add(bytes(mgr.hash[pid]), pid)
     mgr.slot_pid[where[resident]] = pids[resident]
     mgr.slot_cpid[where[resident]] = pids[resident]
     if len(stamps) == 8 * mgr.pool_pages:
@@ -175,12 +211,12 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     mgr.next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if count else 1)
     mgr.tick = max(int(state.get("tick", 0)), int(mgr.stamp.max()))
     seqs = _load_tables(mgr, tables, uids, spill.path)
+    mgr.c_ref[:] = mgr.ref
     if writer:
         known = set(keys)
-        mgr.doomed = [key_uid(k) for k in record_keys if k not in known]
-        orphans = np.flatnonzero(mgr.ref[:count] == 0)
-        for pid in orphans.tolist():
-            mgr._free(pid)
+        mgr.doomed = [(key_uid(k), size) for k, size in record_sizes.items() if k not in known]
+        for pid in np.flatnonzero(mgr.ref[:count] == 0).tolist():
+            mgr._free(pid)  # kept if it is an indexed cache page, else collected
     return seqs, state
 
 

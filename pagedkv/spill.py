@@ -1,8 +1,8 @@
 """The spill store: one LMDB environment holding metadata and spilled pages.
 
 Named databases: ``meta`` (superblock, commit state, LRU stamps), ``seqs``
-(block tables by sequence id), ``dir`` (page directory by uid) and ``pages``
-(spilled page records by uid). Keys are fixed-width big-endian so that byte
+(block tables by sequence id), ``dir`` (page directory by uid), ``pages``
+(spilled page records by uid) and ``tokens`` (token ids of pages, by uid). Keys are fixed-width big-endian so that byte
 order is numeric order.
 """
 
@@ -20,7 +20,7 @@ from .errors import PagedKVError, StoreCorrupt, StoreFull, StoreIOError
 from .files import make_private_dir, tighten_tree
 
 T = TypeVar("T")
-DB_NAMES = (b"meta", b"seqs", b"dir", b"pages")
+DB_NAMES = (b"meta", b"seqs", b"dir", b"pages", b"tokens")
 _UID = struct.Struct(">Q")
 DEFAULT_MAP_SIZE = 1 << 30
 _MAX_GROWTHS = 12
@@ -85,7 +85,7 @@ class SpillStore:
         except lmdb.Error as exc:
             self.env.close()
             raise lmdb_error(exc, f"cannot open spill store {path}") from None
-        self.meta, self.seqs, self.dir, self.pages = (self.dbs[name] for name in DB_NAMES)
+        self.meta, self.seqs, self.dir, self.pages, self.tokens = (self.dbs[name] for name in DB_NAMES)
 
     def write(self, body: Callable[[lmdb.Transaction], T], what: str = "commit") -> T:
         """Run ``body`` in one write transaction and commit it; grow the map when full.

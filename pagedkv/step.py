@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from .errors import PagedKVError, PoolExhausted, SequenceBusy
+from .prefix import as_token_ids, seal, write_tokens
 from .sequence import SeqId, Sequence
 
 if TYPE_CHECKING:
@@ -25,12 +26,18 @@ class Step:
     step's new tokens are rolled back.
     """
 
-    def __init__(self, store: KVStore, new_tokens: Mapping[SeqId, int]) -> None:
+    def __init__(self, store: KVStore, new_tokens: Mapping[SeqId, int],
+                 tokens: Mapping[SeqId, Any] | None = None) -> None:
         if not isinstance(new_tokens, Mapping) or not new_tokens:
             raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
         for count in new_tokens.values():
             if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
                 raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
+        tokens = tokens or {}
+        if not isinstance(tokens, Mapping) or not set(tokens) <= set(new_tokens):
+            raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
+        self.token_ids = {seq_id: as_token_ids(ids, int(new_tokens[seq_id]))
+                          for seq_id, ids in tokens.items()}
         self._store = store
         self.seq_ids: list[SeqId] = list(new_tokens)
         self.new_tokens = [int(n) for n in new_tokens.values()]
@@ -88,7 +95,7 @@ def begin(store: KVStore, step: Step) -> None:
             if count:
                 step._undo.append((seq, seq.length, seq.npages, int(seq.pids[seq.npages - 1])
                                    if seq.npages else -1, _last_fill(mgr, seq)))
-                pinned.append(_grow(store, seq, count))
+                pinned.append(_grow(store, seq, count, step.token_ids.get(seq.seq_id)))
     except BaseException:
         step._pinned = np.concatenate(pinned)
         end(store, step, ok=False)
@@ -102,11 +109,11 @@ def _last_fill(mgr: Any, seq: Sequence) -> int:
     return int(mgr.fill[seq.pids[seq.npages - 1]]) if seq.npages else 0
 
 
-def _grow(store: KVStore, seq: Sequence, count: int) -> np.ndarray:
+def _grow(store: KVStore, seq: Sequence, count: int, token_ids: np.ndarray | None) -> np.ndarray:
     """Give ``seq`` room for ``count`` more tokens; return the newly pinned slots."""
     mgr, page_size = store._mgr, store.geometry.page_size
     new_slots = []
-    offset = seq.length % page_size
+    offset, done = seq.length % page_size, 0
     if offset:
         last = int(seq.pids[seq.npages - 1])
         if mgr.ref[last] > 1:
@@ -115,16 +122,18 @@ def _grow(store: KVStore, seq: Sequence, count: int) -> np.ndarray:
             mgr.pins[mgr.slot[last]] += 1
         take = min(count, page_size - offset)
         mgr.mark_written(last, offset + take)
-        count -= take
+        write_tokens(mgr, last, offset, None if token_ids is None else token_ids[:take])
+        done = take
         seq.length += take
-    while count:
+    while done < count:
         pid = mgr.new_page()
         mgr.pins[mgr.slot[pid]] += 1
         new_slots.append(int(mgr.slot[pid]))
         seq.push(pid)
-        take = min(count, page_size)
+        take = min(count - done, page_size)
         mgr.mark_written(pid, take)
-        count -= take
+        write_tokens(mgr, pid, 0, None if token_ids is None else token_ids[done:done + take])
+        done += take
         seq.length += take
     store._dirty.add(seq.key)
     return np.asarray(new_slots, np.int64)
@@ -155,11 +164,16 @@ def _build_outputs(store: KVStore, step: Step, seqs: list[Sequence], page_size: 
 
 def end(store: KVStore, step: Step, ok: bool) -> None:
     """Unpin a step's pages; on failure, roll its new tokens back."""
-    mgr = store._mgr
+    mgr, page_size = store._mgr, store.geometry.page_size
     try:
         if not ok:
             for seq, length, npages, last, last_fill in reversed(step._undo):
                 store._truncate(seq, length, npages, last, last_fill)
+        else:
+            # Pages are hashed (and so shareable) only once the engine wrote their K/V.
+            for seq, length, _, _, _ in step._undo:
+                for index in range(length // page_size, seq.length // page_size):
+                    seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
     finally:
         np.subtract.at(mgr.pins, step._pinned, 1)
         for seq in step._seqs:

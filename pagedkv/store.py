@@ -9,13 +9,14 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
-from . import faults, persist, step as step_mod
+from . import datapath, faults, persist, step as step_mod
 from .check import check_store
 from .errors import (PagedKVError, PoolExhausted, ReadOnlyStore, SequenceBusy, SequenceExists,
                      SequenceNotFound, StoreClosed, StoreFull, StoreIOError)
 from .geometry import Geometry
 from .manager import BlockManager
 from .pool import PagePool
+from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore
 from .stats import Stats
@@ -49,7 +50,8 @@ class KVStore:
     """A persistent paged KV store; obtain one with ``pagedkv.open``."""
 
     def __init__(self, path: str, pool: PagePool, spill: SpillStore, superblock: dict[str, Any],
-                 durability: str, readonly: bool, evict_batch: int, lock: Any) -> None:
+                 durability: str, readonly: bool, evict_batch: int, lock: Any,
+                 spill_limit: int | None = None) -> None:
         self.path = path
         self.geometry: Geometry = pool.geom
         self.pool_pages = pool.pool_pages
@@ -63,7 +65,11 @@ class KVStore:
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
         self._mgr = BlockManager(pool.geom, pool, spill, int.from_bytes(pool.uuid[:8], "little"),
-                                 durability == "durable", evict_batch, self._stats)
+                                 durability == "durable", evict_batch, self._stats,
+                                 make_salt(superblock.get("salt", b""), superblock.get("model")),
+                                 spill_limit)
+        self.model: str | None = superblock.get("model")
+        self.spill_limit_bytes = spill_limit
         self._dirty: set[bytes] = set()
         self._dropped: set[bytes] = set()
         self._closed = False
@@ -104,17 +110,43 @@ class KVStore:
     # -- sequences -----------------------------------------------------------
     @_op(write=True)
     def create(self, seq_id: SeqId, tokens: Any = None) -> int:
-        """Create an empty sequence; return the number of reused tokens (0 without a prefix cache).
+        """Create a sequence; with a prompt's ``tokens``, start it with the longest cached prefix.
 
+        The cached full pages are shared (refcount up, no copy) and the number of
+        reused tokens is returned: at most ``len(tokens) - 1``, so the engine
+        always has a token left to compute; it appends the rest itself. Without
+        ``tokens`` the sequence is empty and 0 is returned.
         Raises ``SequenceExists`` if the id is taken.
         """
         key = seq_key(seq_id)
         if key in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} already exists")
-        self._seqs[key] = Sequence(seq_id, key)
+        seq = Sequence(seq_id, key)
+        if tokens is not None:
+            token_ids = as_token_ids(tokens)
+            pids = self._match(token_ids, max(len(token_ids) - 1, 0) // self.geometry.page_size)
+            for pid in pids:
+                seq.push(pid)
+            self._mgr.incref(np.asarray(pids, np.int64))
+            seq.length = len(pids) * self.geometry.page_size
+            self._stats.add("prefix_queries")
+            self._stats.add("prefix_query_tokens", len(token_ids))
+            self._stats.add("prefix_hit_tokens", seq.length)
+            self._stats.add("prefix_hit_pages", len(pids))
+        self._seqs[key] = seq
         self._dirty.add(key)
         self._dropped.discard(key)
-        return 0
+        return seq.length
+
+    @_op(write=False)
+    def lookup(self, tokens: Any) -> int:
+        """How many leading tokens of ``tokens`` are cached in full pages (possibly all); creates nothing."""
+        token_ids = as_token_ids(tokens)
+        return len(self._match(token_ids, len(token_ids) // self.geometry.page_size)) \
+            * self.geometry.page_size
+
+    def _match(self, token_ids: np.ndarray, max_pages: int) -> list[int]:
+        return self._mgr.prefix.match(token_ids, max_pages, self._mgr.page_tokens_of)
 
     @_op(write=True)
     def append(self, seq_id: SeqId, k: np.ndarray, v: np.ndarray, tokens: Any = None) -> None:
@@ -122,73 +154,20 @@ class KVStore:
 
         Pages fill in order, spanning page boundaries; a shared partial last page
         is copied first. The sequence may grow beyond the pool: earlier pages spill.
+        ``tokens`` (n token ids) make full pages reusable by ``create(tokens=...)``.
         """
-        geom = self.geometry
-        count = self._check_kv(k, v)
+        count = datapath.check_kv(self.geometry, k, v)
+        token_ids = None if tokens is None else as_token_ids(tokens, count)
         seq = self._idle_seq(seq_id)
-        if self._mgr.available() < 2:
-            raise PoolExhausted("every pool slot is pinned by active steps")
-        mgr, page_size, pos = self._mgr, geom.page_size, 0
-        while pos < count:
-            offset = seq.length % page_size
-            if offset:
-                pid = int(seq.pids[seq.npages - 1])
-                if mgr.ref[pid] > 1:
-                    pid = self._cow_last(seq)
-                else:
-                    mgr.ensure_resident(np.array([pid]))
-                    mgr.verify(pid)
-            else:
-                pid = mgr.new_page()
-                seq.push(pid)
-            take = min(page_size - offset, count - pos)
-            page = mgr.pool[mgr.slot[pid]]
-            page[:, 0, offset:offset + take] = k[:, pos:pos + take]
-            page[:, 1, offset:offset + take] = v[:, pos:pos + take]
-            mgr.mark_written(pid, offset + take)
-            faults.crashpoint("append.after_write")
-            seq.length += take
-            pos += take
+        datapath.append(self, seq, k, v, token_ids)
         self._dirty.add(seq.key)
         self._stats.add("tokens_appended", count)
 
-    def _check_kv(self, k: Any, v: Any) -> int:
-        geom = self.geometry
-        for name, arr in (("k", k), ("v", v)):
-            if not isinstance(arr, np.ndarray):
-                raise PagedKVError(f"{name} must be a numpy array, got {type(arr).__name__}")
-            if arr.dtype != geom.np_dtype:
-                raise PagedKVError(f"{name} has dtype {arr.dtype}, the store holds {geom.dtype}; "
-                                   f"convert it with .astype() first")
-            if arr.ndim != 4 or arr.shape[0] != geom.layers or arr.shape[2:] != geom.token_shape:
-                raise PagedKVError(f"{name} has shape {arr.shape}; expected "
-                                   f"({geom.layers}, n, {geom.kv_heads}, {geom.head_dim})")
-        if k.shape != v.shape or k.shape[1] < 1:
-            raise PagedKVError(f"k and v must have one shape with n >= 1 tokens, got {k.shape}, {v.shape}")
-        return int(k.shape[1])
-
     def _cow_last(self, seq: Sequence) -> int:
-        """Replace a shared last page by a private copy (copy-on-write)."""
-        old = int(seq.pids[seq.npages - 1])
-        new = self._mgr.copy_page(old)
-        seq.pids[seq.npages - 1] = new
-        self._mgr.decref(np.array([old]))
-        return new
+        return datapath.cow_last(self, seq)
 
     def _truncate(self, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
-        """Roll a sequence back to an earlier length (its later tokens were never committed)."""
-        mgr = self._mgr
-        extra = seq.pids[npages:seq.npages].copy()
-        seq.npages = npages
-        if npages and int(seq.pids[npages - 1]) != last:
-            extra = np.append(extra, seq.pids[npages - 1])
-            seq.pids[npages - 1] = last
-            mgr.incref(np.array([last]))
-        elif npages and mgr.fill[last] != last_fill:
-            mgr.mark_written(last, last_fill)
-        if len(extra):
-            mgr.decref(extra)
-        seq.length = length
+        datapath.truncate(self, seq, length, npages, last, last_fill)
 
     @_op(write=False)
     def read(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -205,46 +184,9 @@ class KVStore:
         if not 0 <= start <= stop <= seq.length:
             raise PagedKVError(f"range [{start}, {stop}) is outside sequence {seq_id!r} "
                                f"of length {seq.length}")
-        geom, mgr, page_size = self.geometry, self._mgr, self.geometry.page_size
-        shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
-        out_k, out_v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
-        first, last = start // page_size, -(-stop // page_size)
-
-        def copy_out(index: int, page: np.ndarray) -> None:
-            a, b = max(start, index * page_size), min(stop, (index + 1) * page_size)
-            base = index * page_size
-            out_k[:, a - start:b - start] = page[:, 0, a - base:b - base]
-            out_v[:, a - start:b - start] = page[:, 1, a - base:b - base]
-
-        if self.readonly:
-            self._read_in_place(seq.pids[first:last].copy(), first, copy_out)
-        else:
-            chunk = mgr.available()
-            if stop > start and chunk < 1:
-                raise PoolExhausted("every pool slot is pinned by active steps")
-            for lo in range(first, last, max(chunk, 1)):
-                pids = seq.pids[lo:min(last, lo + chunk)].copy()
-                slots = mgr.ensure_resident(pids)
-                mgr.verify_many(pids)
-                for index, slot in enumerate(slots.tolist(), lo):
-                    copy_out(index, mgr.pool[slot])
+        out = datapath.read(self, seq, int(start), int(stop))
         self._stats.add("tokens_read", stop - start)
-        return out_k, out_v
-
-    def _read_in_place(self, pids: np.ndarray, first: int,
-                       copy_out: Callable[[int, np.ndarray], None]) -> None:
-        """Serve pages where they lie (pool or spill record): a read-only handle moves nothing."""
-        mgr = self._mgr
-        with self._spill.begin_read() as txn:
-            for index, pid in enumerate(pids.tolist(), first):
-                if mgr.slot[pid] >= 0:
-                    mgr.verify(pid)
-                    self._stats.add("resident_hits")
-                    copy_out(index, mgr.pool[mgr.slot[pid]])
-                else:
-                    page, _ = mgr.read_record(txn, pid)
-                    self._stats.add("spill_hits")
-                    copy_out(index, page)
+        return out
 
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:
@@ -280,9 +222,13 @@ class KVStore:
         return [seq.seq_id for seq in self._seqs.values()]
 
     # -- steps ---------------------------------------------------------------
-    def step(self, new_tokens: Mapping[SeqId, int]) -> Step:
-        """A step adding ``new_tokens[seq]`` tokens to each sequence; use it as a context manager."""
-        return Step(self, new_tokens)
+    def step(self, new_tokens: Mapping[SeqId, int], tokens: Mapping[SeqId, Any] | None = None) -> Step:
+        """A step adding ``new_tokens[seq]`` tokens to each sequence; use it as a context manager.
+
+        ``tokens`` optionally maps sequences to the ids of their new tokens, so the
+        pages they fill become reusable prefixes once the step ends.
+        """
+        return Step(self, new_tokens, tokens)
 
     @_op(write=False)
     def can_step(self, new_tokens: Mapping[SeqId, int]) -> bool:
@@ -390,6 +336,11 @@ class KVStore:
             spilled_pages=int(np.count_nonzero(mgr.live & (mgr.slot < 0))),
             pages=int(np.count_nonzero(mgr.live)), sequences=len(self._seqs),
             tokens=sum(seq.length for seq in self._seqs.values()),
+            shared_pages=int(np.count_nonzero(mgr.live & (mgr.ref > 1))),
+            cached_pages=int(np.count_nonzero(mgr.live & (mgr.ref == 0))),
+            spill_bytes=mgr.spill_bytes,
+            prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
+                             if out["prefix_query_tokens"] else 0.0),
         )
         return out
 

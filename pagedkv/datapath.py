@@ -1,0 +1,138 @@
+"""Moving K/V between a caller's arrays and a sequence's pages: append, read, copy-on-write."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from . import faults
+from .errors import PagedKVError, PoolExhausted
+from .geometry import Geometry
+from .prefix import seal, write_tokens
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .store import KVStore
+
+
+def check_kv(geom: Geometry, k: Any, v: Any) -> int:
+    """Validate K and V arrays against the geometry; return their token count."""
+    for name, arr in (("k", k), ("v", v)):
+        if not isinstance(arr, np.ndarray):
+            raise PagedKVError(f"{name} must be a numpy array, got {type(arr).__name__}")
+        if arr.dtype != geom.np_dtype:
+            raise PagedKVError(f"{name} has dtype {arr.dtype}, the store holds {geom.dtype}; "
+                               f"convert it with .astype() first")
+        if arr.ndim != 4 or arr.shape[0] != geom.layers or arr.shape[2:] != geom.token_shape:
+            raise PagedKVError(f"{name} has shape {arr.shape}; expected "
+                               f"({geom.layers}, n, {geom.kv_heads}, {geom.head_dim})")
+    if k.shape != v.shape or k.shape[1] < 1:
+        raise PagedKVError(f"k and v must have one shape with n >= 1 tokens, got {k.shape}, {v.shape}")
+    return int(k.shape[1])
+
+
+def append(store: KVStore, seq: Sequence, k: np.ndarray, v: np.ndarray,
+           token_ids: np.ndarray | None) -> None:
+    """Write ``k``/``v`` after the sequence's last token, page by page."""
+    mgr, page_size = store._mgr, store.geometry.page_size
+    count = int(k.shape[1])
+    if mgr.available() < 2:
+        raise PoolExhausted("every pool slot is pinned by active steps")
+    pos = 0
+    while pos < count:
+        offset = seq.length % page_size
+        if offset:
+            pid = int(seq.pids[seq.npages - 1])
+            if mgr.ref[pid] > 1:
+                pid = cow_last(store, seq)
+            else:
+                mgr.ensure_resident(np.array([pid]))
+                mgr.verify(pid)
+        else:
+            pid = mgr.new_page()
+            seq.push(pid)
+        take = min(page_size - offset, count - pos)
+        page = mgr.pool[mgr.slot[pid]]
+        page[:, 0, offset:offset + take] = k[:, pos:pos + take]
+        page[:, 1, offset:offset + take] = v[:, pos:pos + take]
+        mgr.mark_written(pid, offset + take)
+        write_tokens(mgr, pid, offset, None if token_ids is None else token_ids[pos:pos + take])
+        if offset + take == page_size:
+            seal(mgr, pid, int(seq.pids[seq.npages - 2]) if seq.npages > 1 else -1)
+        faults.crashpoint("append.after_write")
+        seq.length += take
+        pos += take
+
+
+def cow_last(store: KVStore, seq: Sequence) -> int:
+    """Replace a shared last page by a private copy (copy-on-write)."""
+    mgr = store._mgr
+    old = int(seq.pids[seq.npages - 1])
+    new = mgr.copy_page(old)
+    seq.pids[seq.npages - 1] = new
+    mgr.decref(np.array([old]))
+    return new
+
+
+def truncate(store: KVStore, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
+    """Roll a sequence back to an earlier length (its later tokens were never committed)."""
+    mgr = store._mgr
+    extra = seq.pids[npages:seq.npages].copy()
+    seq.npages = npages
+    if npages and int(seq.pids[npages - 1]) != last:
+        extra = np.append(extra, seq.pids[npages - 1])
+        seq.pids[npages - 1] = last
+        mgr.incref(np.array([last]))
+    elif npages and mgr.fill[last] != last_fill:
+        mgr.mark_written(last, last_fill)
+        token_ids = mgr.page_tokens.get(last)
+        if token_ids is not None:
+            mgr.page_tokens[last] = token_ids[:last_fill]
+    if len(extra):
+        mgr.decref(extra)
+    seq.length = length
+
+
+def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of K and V of tokens ``[start, stop)``; pages stream through the pool."""
+    geom, mgr, page_size = store.geometry, store._mgr, store.geometry.page_size
+    shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
+    out_k, out_v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
+    first, last = start // page_size, -(-stop // page_size)
+
+    def copy_out(index: int, page: np.ndarray) -> None:
+        a, b = max(start, index * page_size), min(stop, (index + 1) * page_size)
+        base = index * page_size
+        out_k[:, a - start:b - start] = page[:, 0, a - base:b - base]
+        out_v[:, a - start:b - start] = page[:, 1, a - base:b - base]
+
+    if store.readonly:
+        _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
+        return out_k, out_v
+    chunk = mgr.available()
+    if stop > start and chunk < 1:
+        raise PoolExhausted("every pool slot is pinned by active steps")
+    for lo in range(first, last, max(chunk, 1)):
+        pids = seq.pids[lo:min(last, lo + chunk)].copy()
+        slots = mgr.ensure_resident(pids)
+        mgr.verify_many(pids)
+        for index, slot in enumerate(slots.tolist(), lo):
+            copy_out(index, mgr.pool[slot])
+    return out_k, out_v
+
+
+def _read_in_place(store: KVStore, pids: np.ndarray, first: int,
+                   copy_out: Callable[[int, np.ndarray], None]) -> None:
+    """Serve pages where they lie (pool or spill record): a read-only handle moves nothing."""
+    mgr = store._mgr
+    with store._spill.begin_read() as txn:
+        for index, pid in enumerate(pids.tolist(), first):
+            if mgr.slot[pid] >= 0:
+                mgr.verify(pid)
+                mgr.stats.add("resident_hits")
+                copy_out(index, mgr.pool[mgr.slot[pid]])
+            else:
+                page, _ = mgr.read_record(txn, pid)
+                mgr.stats.add("spill_hits")
+                copy_out(index, page)

@@ -1,0 +1,166 @@
+"""Eviction: spill least-recently-used slots to LMDB in one transaction, under the spill cap.
+
+A batch is planned first (records to write, directory placements to update,
+cache-only pages to drop), checked against ``spill_limit_bytes``, then written in
+one LMDB transaction; slots are freed only after it commits, so the committed
+directory never points at a slot that was reused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import faults
+from .codec import encode_record
+from .errors import StoreFull
+from .spill import uid_key
+
+if TYPE_CHECKING:
+    from .manager import BlockManager
+
+
+class _Plan:
+    """What one eviction transaction writes, deletes and frees."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[Any, bytes, bytes | bytearray]] = []
+        self.deletes: list[tuple[Any, bytes]] = []
+        self.spilled: list[tuple[int, int, int]] = []  # (slot, pid, record bytes or -1 kept)
+        self.dropped: list[int] = []
+        self.added = 0
+        self.removed = 0
+
+
+def evict(mgr: BlockManager, count: int) -> int:
+    """Free up to ``count`` unpinned slots, LRU first; return how many were freed."""
+    from .manager import REC_CURRENT, SPILLED
+
+    victims = _choose(mgr, count)
+    if not victims:
+        return 0
+    plan = _Plan()
+    for slot in victims:
+        pid = int(mgr.slot_pid[slot])
+        if pid < 0:  # a freed page whose committed bytes must outlive its slot
+            pid = int(mgr.slot_cpid[slot])
+            _put_record(mgr, plan, slot, pid, int(mgr.c_fill[pid]), int(mgr.c_csum[pid]))
+        elif mgr.rec[pid] != REC_CURRENT:
+            # An unverified page keeps its committed checksum, so damage is caught
+            # at restore instead of being laundered into a new record.
+            _put_record(mgr, plan, slot, pid, int(mgr.fill[pid]), mgr.checksum(pid))
+        else:
+            plan.spilled.append((slot, pid, -1))
+        if mgr.slot_cpid[slot] == pid:
+            plan.puts.append((mgr.spill.dir, uid_key(int(mgr.uid[pid])), mgr.committed_entry(pid, SPILLED)))
+    for uid, nbytes in mgr.doomed:
+        plan.deletes.append((mgr.spill.pages, uid_key(uid)))
+        plan.removed += nbytes
+    if mgr.spill_limit is not None:
+        _enforce_cap(mgr, plan)
+    doomed, mgr.doomed = mgr.doomed, []
+
+    def body(txn: Any) -> None:
+        for db, key, value in plan.puts:
+            mgr.spill.put(txn, db, key, value)
+        for db, key in plan.deletes:
+            txn.delete(key, db=db)
+
+    faults.crashpoint("evict.before_commit")
+    try:
+        mgr.spill.write(body, "evict")
+    except BaseException:
+        mgr.doomed = doomed + mgr.doomed
+        raise
+    faults.crashpoint("evict.after_commit")
+    for slot, pid, nbytes in plan.spilled:
+        if mgr.slot_pid[slot] == pid:
+            mgr.pstamp[pid] = mgr.stamp[slot]
+            mgr.slot[pid] = -1
+            mgr.slot_pid[slot] = -1
+        if nbytes >= 0:
+            mgr.spill_bytes += nbytes - int(mgr.rec_bytes[pid])
+            mgr.rec_bytes[pid] = nbytes
+        mgr.rec[pid] = REC_CURRENT
+        if mgr.slot_cpid[slot] == pid:
+            mgr.c_where[pid] = SPILLED
+            mgr.slot_cpid[slot] = -1
+        mgr.free_slots.append(slot)
+    for pid in plan.dropped:
+        mgr.forget(pid)
+    mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
+    mgr.stats.add("evictions", len(victims))
+    mgr.stats.add("evict_batches")
+    mgr.stats.add("bytes_spilled", plan.added)
+    return len(victims)
+
+
+def _choose(mgr: BlockManager, count: int) -> list[int]:
+    """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
+    reclaim = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0) & (mgr.pins == 0))
+    live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0))
+    if len(live) > count:
+        live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
+    return np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
+
+
+def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, csum: int) -> None:
+    uid = int(mgr.uid[pid])
+    record = encode_record(mgr.geom, uid, fill, csum, mgr.pool[slot])
+    plan.puts.append((mgr.spill.pages, uid_key(uid), record))
+    plan.spilled.append((slot, pid, len(record)))
+    plan.added += len(record)
+    plan.removed += int(mgr.rec_bytes[pid])
+
+
+def _enforce_cap(mgr: BlockManager, plan: _Plan) -> None:
+    """Drop least recently used cache-only pages until the batch fits under the cap."""
+    limit = mgr.spill_limit
+    assert limit is not None
+    projected = mgr.spill_bytes + plan.added - plan.removed
+    if projected <= limit:
+        return
+    spilling = {pid for _, pid, _ in plan.spilled}
+    # Cache-only pages already spilled free their record; cache-only victims are
+    # dropped rather than spilled. Both in least-recently-used order.
+    candidates = mgr.droppable()
+    order = sorted(candidates.tolist(), key=lambda pid: (pid not in spilling and mgr.slot[pid] >= 0,
+                                                          int(mgr.last_use(pid))))
+    for pid in order:
+        if projected <= limit:
+            break
+        if mgr.slot[pid] >= 0 and pid not in spilling:
+            continue  # resident and not a victim: holds no spill bytes
+        if pid in spilling:
+            entry = next(item for item in plan.spilled if item[1] == pid)
+            plan.spilled.remove(entry)
+            slot, _, nbytes = entry
+            if nbytes >= 0:
+                key = uid_key(int(mgr.uid[pid]))
+                plan.puts = [put for put in plan.puts if put[1] != key]
+                plan.added -= nbytes
+                plan.removed -= int(mgr.rec_bytes[pid])
+        projected -= _drop(mgr, plan, pid)
+    if projected > limit:
+        raise StoreFull(
+            f"spill cap of {limit} bytes reached: {projected} bytes would be stored and only pages "
+            "of live (or not yet committed) sequences remain; raise spill_limit_bytes or commit")
+
+
+def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
+    """Plan to forget a cache-only page entirely; return the spill bytes it frees."""
+    from .manager import NOWHERE, REC_NONE
+
+    key = uid_key(int(mgr.uid[pid]))
+    freed = 0
+    if mgr.rec[pid] != REC_NONE:
+        plan.deletes.append((mgr.spill.pages, key))
+        freed = int(mgr.rec_bytes[pid])
+        plan.removed += freed
+    if mgr.c_where[pid] != NOWHERE:
+        plan.deletes.append((mgr.spill.dir, key))
+    plan.deletes.append((mgr.spill.tokens, key))
+    plan.dropped.append(pid)
+    mgr.stats.add("cache_drops")
+    return freed

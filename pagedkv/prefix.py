@@ -1,0 +1,134 @@
+"""Prefix reuse: chained content hashes of full pages and the index that finds them.
+
+A full page whose token ids are known gets ``hash = xxh3_128(parent hash | salt |
+token ids)``, where the parent is the previous page of its sequence and the salt
+binds the store and the model fingerprint. The hash is deterministic across
+processes, machines and Python versions, so the index rebuilt on reopen finds
+the same pages. A hit is confirmed by comparing token ids, so a hash collision
+can never serve another prompt's KV.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from .errors import PagedKVError
+
+ROOT = bytes(16)  # parent hash of a sequence's first page
+TOKEN_DTYPE = np.dtype("<u4")
+
+
+def make_salt(store_salt: bytes, model: str | None) -> bytes:
+    """The per-store, per-model salt mixed into every page hash."""
+    return xxhash.xxh3_128_digest(store_salt + b"\x00model\x00" + (model or "").encode("utf-8"))
+
+
+def chain_hash(parent: bytes, salt: bytes, token_ids: np.ndarray) -> bytes:
+    """128-bit hash of a full page from its parent's hash and its token ids."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(parent)
+    hasher.update(salt)
+    hasher.update(memoryview(np.ascontiguousarray(token_ids, TOKEN_DTYPE)).cast("B"))
+    return hasher.digest()
+
+
+def as_token_ids(tokens: Any, count: int | None = None) -> np.ndarray:
+    """Validate token ids (a 1-D sequence of ints in [0, 2**32)) and return them as uint32."""
+    try:
+        arr = np.asarray(tokens)
+    except Exception:
+        raise PagedKVError("tokens must be a 1-D sequence of ints") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise PagedKVError(f"tokens must be a 1-D sequence of ints, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+        raise PagedKVError("token ids must be in [0, 2**32)")
+    if count is not None and len(arr) != count:
+        raise PagedKVError(f"{len(arr)} token ids given for {count} tokens")
+    return arr.astype(TOKEN_DTYPE)
+
+
+class PrefixIndex:
+    """hash -> page row for every live full page that can be shared."""
+
+    def __init__(self, salt: bytes, page_size: int) -> None:
+        self.salt = salt
+        self.page_size = page_size
+        self.by_hash: dict[bytes, int] = {}
+
+    def match(self, token_ids: np.ndarray, max_pages: int,
+              tokens_of: Callable[[int], np.ndarray | None]) -> list[int]:
+        """Page rows of the longest cached run of full pages that starts ``token_ids``.
+
+        ``tokens_of(pid)`` returns a page's stored token ids for the collision check.
+        """
+        found: list[int] = []
+        parent = ROOT
+        size = self.page_size
+        for index in range(max_pages):
+            chunk = token_ids[index * size:(index + 1) * size]
+            digest = chain_hash(parent, self.salt, chunk)
+            pid = self.by_hash.get(digest)
+            if pid is None:
+                break
+            stored = tokens_of(pid)
+            if stored is None or not np.array_equal(stored, chunk):
+                break  # a collision (or lost token ids): never share
+            found.append(pid)
+            parent = digest
+        return found
+
+    def add(self, digest: bytes, pid: int) -> bool:
+        """Index ``pid`` under ``digest`` unless another page already holds it."""
+        if digest in self.by_hash:
+            return False
+        self.by_hash[digest] = pid
+        return True
+
+    def discard(self, digest: bytes, pid: int) -> None:
+        """Forget ``digest`` if it points at ``pid``."""
+        if self.by_hash.get(digest) == pid:
+            del self.by_hash[digest]
+
+    def holds(self, digest: bytes, pid: int) -> bool:
+        """Whether ``pid`` is the page the index serves for ``digest``."""
+        return self.by_hash.get(digest) == pid
+
+
+def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
+    """Record the ids of tokens ``[offset, offset + len)`` of a page (None: ids unknown)."""
+    from .manager import HAS_TOKENS
+
+    known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
+    previous = mgr.page_tokens_of(pid) if offset and known else None
+    if token_ids is None or not known or (offset and previous is None):
+        mgr.flags[pid] &= ~HAS_TOKENS
+        mgr.page_tokens.pop(pid, None)
+        return
+    head = previous[:offset] if previous is not None else np.empty(0, TOKEN_DTYPE)
+    mgr.page_tokens[pid] = np.concatenate([head, token_ids])
+    mgr.flags[pid] |= HAS_TOKENS
+
+
+def seal(mgr: Any, pid: int, parent: int) -> None:
+    """Give a page that just filled its chained hash, if its ids and its parent's hash are known.
+
+    ``parent`` is the previous page of the sequence, or -1 for the first page.
+    """
+    from .manager import HAS_TOKENS, HASHED
+
+    flags = int(mgr.flags[pid])
+    if flags & HASHED or not flags & HAS_TOKENS or mgr.fill[pid] != mgr.geom.page_size:
+        return
+    if parent >= 0 and not mgr.flags[parent] & HASHED:
+        return
+    token_ids = mgr.page_tokens_of(pid)
+    if token_ids is None:
+        return
+    digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
+    mgr.hash[pid] = digest
+    mgr.flags[pid] |= HASHED
+    mgr.changed.add(pid)
+    mgr.prefix.add(digest, pid)
