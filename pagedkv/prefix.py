@@ -104,7 +104,7 @@ def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) 
     known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
     previous = mgr.page_tokens_of(pid) if offset and known else None
     if token_ids is None or not known or (offset and previous is None):
-        mgr.flags[pid] &= ~HAS_TOKENS
+        mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
         mgr.page_tokens.pop(pid, None)
         return
     head = previous[:offset] if previous is not None else np.empty(0, TOKEN_DTYPE)
