@@ -54,10 +54,11 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     """
     hasher = xxhash.xxh3_64(seed=seed)
     hasher.update(_IDENT.pack(uid, fill))
+    # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
     if fill == page.shape[2]:
-        hasher.update(memoryview(np.ascontiguousarray(page)).cast("B"))
+        hasher.update(np.ascontiguousarray(page).view(np.uint8))
     elif fill:
-        hasher.update(memoryview(np.ascontiguousarray(page[:, :, :fill])).cast("B"))
+        hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8))
     return hasher.intdigest()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
+from . import faults
 from .errors import PagedKVError, StoreFull, StoreIOError
 
 DIR_MODE = 0o700
@@ -45,6 +46,7 @@ def create_private_file(path: str, nbytes: int) -> int:
     try:
         os.fchmod(fd, FILE_MODE)
         if nbytes:
+            faults.io("fallocate")
             os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         os.close(fd)

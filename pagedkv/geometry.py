@@ -53,7 +53,7 @@ class Geometry:
             isinstance(self.dtype, type) and issubclass(self.dtype, np.generic)
         ):
             object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise PagedKVError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if DTYPES[self.dtype] is None:
             raise PagedKVError("bfloat16 needs the ml_dtypes package")

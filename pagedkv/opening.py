@@ -6,17 +6,18 @@ import os
 import shutil
 import time
 import uuid as uuidlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from . import faults
 from .codec import FORMAT_VERSION
-from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt
+from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
 from .files import fsync_dir, make_private_dir, refuse_remote
 from .geometry import Geometry
 from .lockfile import WriterLock
 from .persist import read_superblock, rewrite_superblock, write_superblock
-from .pool import PagePool
+from .pool import MAGIC, PagePool
 from .spill import SpillStore
 from .store import DURABILITY, KVStore
 
@@ -26,6 +27,32 @@ POOL_FILE, SPILL_DIR, LOCK_FILE = "pool.bin", "spill", "LOCK"
 def is_store(path: str) -> bool:
     """Whether ``path`` looks like a pagedkv store directory (it has a pool file)."""
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, POOL_FILE))
+
+
+def _require_pool_magic(path: str) -> None:
+    """Refuse a directory whose pool.bin is not ours before touching anything in it."""
+    pool_path = os.path.join(path, POOL_FILE)
+    try:
+        fd = os.open(pool_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            magic = os.pread(fd, len(MAGIC), 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StoreCorrupt(f"{pool_path}: cannot be read ({exc.strerror})") from None
+    if magic != MAGIC:
+        raise StoreCorrupt(f"{pool_path}: not a pagedkv pool file (bad magic); refusing to touch {path}")
+
+
+# Writers open in this process, by real path: LMDB cannot open one environment twice
+# in a process, so a second handle must be refused before it gets that far.
+_OPEN_WRITERS: dict[str, "weakref.ref[KVStore]"] = {}
+
+
+def _writer_here(path: str) -> KVStore | None:
+    ref = _OPEN_WRITERS.get(os.path.realpath(path))
+    store = ref() if ref is not None else None
+    return store if store is not None and not store._closed else None
 
 
 def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
@@ -77,20 +104,27 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     if readonly:
         if empty or not is_store(path):
             raise StoreCorrupt(f"{path} is not a pagedkv store")
+        _require_pool_magic(path)
+        if _writer_here(path) is not None:
+            raise StoreLocked(f"{path} is open for writing in this process (pid {os.getpid()}); "
+                              "read through that handle")
         return _open_existing(path, opts, None)
     if empty:
         _create(path, opts)
     elif not is_store(path):
         raise PagedKVError(f"{path} exists and is not a pagedkv store; refusing to touch it")
+    _require_pool_magic(path)
     lock = WriterLock(os.path.join(path, LOCK_FILE))
     faults.crashpoint("open.after_lock")
     try:
         if durability == "volatile":
             _recreate(path, opts)
-        return _open_existing(path, opts, lock)
+        store = _open_existing(path, opts, lock)
     except BaseException:
         lock.release()
         raise
+    _OPEN_WRITERS[os.path.realpath(path)] = weakref.ref(store)
+    return store
 
 
 @dataclass

@@ -91,7 +91,6 @@ class PagePool:
         """Create ``pool.bin`` with its space reserved and its header durable."""
         store_uuid = store_uuid or uuidlib.uuid4().bytes
         size = HEADER_NBYTES + pool_pages * geom.page_nbytes
-        faults.io("fallocate")
         fd = create_private_file(path, size)
         try:
             faults.io("flush")
@@ -140,8 +139,8 @@ class PagePool:
         self._msync(run_start, run_end)
 
     def _msync(self, start: int, end: int) -> None:
-        faults.io("flush")
         try:
+            faults.io("flush")
             self._mm.flush(start, end - start)
         except OSError as exc:
             raise io_error(exc, f"cannot flush {self.path}") from None

@@ -109,12 +109,14 @@ class SpillStore:
         raise StoreFull(f"{what}: the spill map could not grow enough")
 
     def _grow(self) -> None:
-        faults.io("set_mapsize")
         size = self.env.info()["map_size"] * 2
         try:
+            faults.io("set_mapsize")
             self.env.set_mapsize(size)
         except lmdb.Error as exc:
             raise lmdb_error(exc, "cannot grow the spill map") from None
+        except OSError as exc:
+            raise StoreIOError(f"cannot grow the spill map: {exc}") from None
 
     def put(self, txn: lmdb.Transaction, db: Any, key: bytes, value: bytes | bytearray) -> None:
         """Put one value (an I/O seam for fault tests)."""

@@ -28,11 +28,7 @@ class Step:
 
     def __init__(self, store: KVStore, new_tokens: Mapping[SeqId, int],
                  tokens: Mapping[SeqId, Any] | None = None) -> None:
-        if not isinstance(new_tokens, Mapping) or not new_tokens:
-            raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
-        for count in new_tokens.values():
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-                raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
+        counts = parse_counts(new_tokens)
         tokens = tokens or {}
         if not isinstance(tokens, Mapping) or not set(tokens) <= set(new_tokens):
             raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
@@ -40,7 +36,7 @@ class Step:
                           for seq_id, ids in tokens.items()}
         self._store = store
         self.seq_ids: list[SeqId] = list(new_tokens)
-        self.new_tokens = [int(n) for n in new_tokens.values()]
+        self.new_tokens = counts
         self.block_tables = np.empty((0, 0), np.int32)
         self.slot_mapping = np.empty(0, np.int64)
         self.seq_lens = np.empty(0, np.int32)
@@ -55,6 +51,18 @@ class Step:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._store._exit_step(self, ok=exc_type is None)
+
+
+def parse_counts(new_tokens: Any) -> list[int]:
+    """Validate a step's mapping of sequence id -> new token count; return the counts."""
+    if not isinstance(new_tokens, Mapping) or not new_tokens:
+        raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
+    counts = []
+    for count in new_tokens.values():
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
+        counts.append(int(count))
+    return counts
 
 
 def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) -> int:

@@ -233,10 +233,11 @@ class KVStore:
     @_op(write=False)
     def can_step(self, new_tokens: Mapping[SeqId, int]) -> bool:
         """Whether ``step(new_tokens)`` would find room for all its pages at once right now."""
+        counts = step_mod.parse_counts(new_tokens)
         seqs = [self._seq(seq_id) for seq_id in new_tokens]
         if any(seq.busy for seq in seqs):
             return False
-        needed = step_mod.pages_needed(self, seqs, [int(n) for n in new_tokens.values()])
+        needed = step_mod.pages_needed(self, seqs, counts)
         return needed <= self._mgr.available()
 
     @_op(write=True)
