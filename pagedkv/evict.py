@@ -62,10 +62,10 @@ def evict(mgr: BlockManager, count: int) -> int:
     doomed, mgr.doomed = mgr.doomed, []
 
     def body(txn: Any) -> None:
-        for db, key, value in plan.puts:
-            mgr.spill.put(txn, db, key, value)
         for db, key in plan.deletes:
             txn.delete(key, db=db)
+        for db, key, value in plan.puts:
+            mgr.spill.put(txn, db, key, value)
 
     faults.crashpoint("evict.before_commit")
     try:
@@ -89,6 +89,7 @@ def evict(mgr: BlockManager, count: int) -> int:
         mgr.free_slots.append(slot)
     for pid in plan.dropped:
         mgr.forget(pid)
+    mgr.evict_epoch += 1
     mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
     mgr.stats.add("evictions", len(victims))
     mgr.stats.add("evict_batches")

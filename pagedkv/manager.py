@@ -60,8 +60,8 @@ class BlockManager:
         self.stamp = np.zeros(self.pool_pages, np.int64)
         self.pins = np.zeros(self.pool_pages, np.int32)
         self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))
-        self.changed: set[int] = set()  # pids whose directory entry the next commit rewrites
-        self.flush: set[int] = set()  # slots written since the last commit
+        self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
+        self.evict_epoch = 0  # bumped whenever resident pages leave the pool
         self.zombies: list[int] = []  # freed pids that the last commit still records
         self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
         self.prefix = PrefixIndex(salt, geom.page_size)
@@ -78,6 +78,7 @@ class BlockManager:
         "c_csum": (np.uint64, 0), "flags": (np.uint8, 0), "c_flags": (np.uint8, 0),
         "hash": (np.dtype("V16"), b""), "ref": (np.int32, 0), "c_ref": (np.int32, 0),
         "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
+        "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
     }
 
     def _grow(self, capacity: int) -> None:
@@ -139,8 +140,8 @@ class BlockManager:
         self.slot_pid[slot] = pid
         self.tick += 1
         self.stamp[slot] = self.tick
-        self.changed.add(pid)
-        self.flush.add(slot)
+        self.chg[pid] = True
+        self.dirty_slot[slot] = True
 
     def mark_written(self, pid: int, fill: int) -> None:
         """Record that ``pid``'s bytes changed and now hold ``fill`` tokens."""
@@ -148,8 +149,17 @@ class BlockManager:
         self.csum_ok[pid] = False
         if self.rec[pid] == REC_CURRENT:
             self.rec[pid] = REC_STALE
-        self.changed.add(pid)
-        self.flush.add(int(self.slot[pid]))
+        self.chg[pid] = True
+        self.dirty_slot[self.slot[pid]] = True
+
+    def mark_written_many(self, pids: np.ndarray, fills: np.ndarray) -> None:
+        """``mark_written`` for many distinct resident pages at once."""
+        self.fill[pids] = fills
+        self.csum_ok[pids] = False
+        rec = self.rec[pids]
+        self.rec[pids] = np.where(rec == REC_CURRENT, REC_STALE, rec)
+        self.chg[pids] = True
+        self.dirty_slot[self.slot[pids]] = True
 
     def incref(self, pids: np.ndarray) -> None:
         """One more reference to each of ``pids`` (duplicates count)."""
@@ -170,7 +180,7 @@ class BlockManager:
             self.slot[pid] = -1
             if self.slot_cpid[slot] < 0:
                 self.free_slots.append(slot)
-        self.changed.discard(pid)
+        self.chg[pid] = False
         self.page_tokens.pop(pid, None)
         if self.c_where[pid] != NOWHERE:
             self.zombies.append(pid)  # the commit that forgets it also frees its row
@@ -248,7 +258,7 @@ class BlockManager:
             self.free_slots.append(slot)
             self.slot[pid] = -1
         self.spill_bytes -= int(self.rec_bytes[pid])
-        self.changed.discard(pid)
+        self.chg[pid] = False
         self.page_tokens.pop(pid, None)
         self._recycle(pid)
 

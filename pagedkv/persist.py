@@ -65,13 +65,13 @@ def read_superblock(spill: SpillStore) -> dict[str, Any]:
     return sb
 
 
-def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dropped: set[bytes],
+def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
            state: dict[str, Any], durable: bool) -> None:
     """Make the current state the committed one, in write-ahead order."""
     entries: list[tuple[int, int, bytes]] = []
     token_puts: list[tuple[bytes, bytes]] = []
     record_deletes: list[int] = []  # pids whose record goes
-    for pid in mgr.changed:
+    for pid in np.flatnonzero(mgr.chg & mgr.live).tolist():
         slot = int(mgr.slot[pid])
         where = slot if slot >= 0 else SPILLED
         entries.append((pid, where, mgr.current_entry(pid, where)))
@@ -84,10 +84,10 @@ def commit(mgr: BlockManager, seqs: dict[bytes, Sequence], dirty: set[bytes], dr
     doomed = list(mgr.doomed)
     faults.crashpoint("commit.before_flush")
     if durable:
-        mgr.pool_file.flush_slots(sorted(mgr.flush))
+        mgr.pool_file.flush_slots(np.flatnonzero(mgr.dirty_slot))
     faults.crashpoint("commit.after_flush")
-    seq_puts = [(key, pack_table(mgr, seqs[key])) for key in dirty if key in seqs]
-    seq_deletes = [key for key in dropped if key not in seqs]
+    seq_puts = [(key, pack_table(mgr, seq)) for key, seq in dirty.items()]
+    seq_deletes = [key for key in dropped if key not in dirty]
     state_blob = msgpack.packb(state)
     stamps = mgr.stamp.astype("<i8").tobytes()
     spill = mgr.spill
@@ -145,8 +145,8 @@ def _apply(mgr: BlockManager, entries: list[tuple[int, int, bytes]], zombies: li
         mgr._recycle(pid)
     mgr.c_ref[:] = mgr.ref
     mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0))[::-1].tolist()
-    mgr.changed.clear()
-    mgr.flush.clear()
+    mgr.chg[:] = False
+    mgr.dirty_slot[:] = False
     mgr.zombies = []
     mgr.doomed = []
 
@@ -208,7 +208,9 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     if len(stamps) == 8 * mgr.pool_pages:
         mgr.stamp[:] = np.frombuffer(stamps, dtype="<i8")
     mgr.free_slots = np.flatnonzero(mgr.slot_pid < 0)[::-1].tolist()
-    mgr.next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if count else 1)
+    # Uids are never reused, not even those of records a crash left uncommitted.
+    highest = max((key_uid(key) for key in record_sizes), default=0)
+    mgr.next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if count else 1, highest + 1)
     mgr.tick = max(int(state.get("tick", 0)), int(mgr.stamp.max()))
     seqs = _load_tables(mgr, tables, uids, spill.path)
     mgr.c_ref[:] = mgr.ref

@@ -130,5 +130,5 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
     mgr.hash[pid] = digest
     mgr.flags[pid] |= HASHED
-    mgr.changed.add(pid)
+    mgr.chg[pid] = True
     mgr.prefix.add(digest, pid)

@@ -1,4 +1,10 @@
-"""One engine step: block tables, slot mapping and sequence lengths over pinned pages."""
+"""One engine step: block tables, slot mapping and sequence lengths over pinned pages.
+
+The per-sequence work is a handful of attribute reads; everything else is
+vectorised over the batch. Like a persistent batch in an engine, the block table
+of the previous step is kept and only grown rows are rewritten, as long as no
+page of the batch has moved and no block table has changed since.
+"""
 
 from __future__ import annotations
 
@@ -41,9 +47,8 @@ class Step:
         self.slot_mapping = np.empty(0, np.int64)
         self.seq_lens = np.empty(0, np.int32)
         self._seqs: list[Sequence] = []
-        self._undo: list[tuple[Sequence, int, int, int, int]] = []
-        self._pinned = np.empty(0, np.int64)
-        self._owner: Any = None
+        self._undo: tuple[np.ndarray, ...] = ()  # lengths, pages, last pages, their fills
+        self._pins = np.zeros(0, np.int32)
 
     def __enter__(self) -> Step:
         self._store._enter_step(self)
@@ -57,12 +62,22 @@ def parse_counts(new_tokens: Any) -> list[int]:
     """Validate a step's mapping of sequence id -> new token count; return the counts."""
     if not isinstance(new_tokens, Mapping) or not new_tokens:
         raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
-    counts = []
-    for count in new_tokens.values():
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-            raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
-        counts.append(int(count))
+    counts = list(new_tokens.values())
+    if not all(type(count) is int and count >= 0 for count in counts):
+        for count in counts:
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+                raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
+        counts = [int(count) for count in counts]
     return counts
+
+
+class _Batch:
+    """The previous step's block table, reusable while nothing it depends on changed."""
+
+    def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
+                 table_epoch: int, evict_epoch: int) -> None:
+        self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
+        self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
 
 
 def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -83,107 +98,161 @@ def begin(store: KVStore, step: Step) -> None:
     """Plan and pin a step (called with the store lock held)."""
     mgr, page_size = store._mgr, store.geometry.page_size
     seqs = [store._seq(seq_id) for seq_id in step.seq_ids]
-    for seq in seqs:
-        if seq.busy:
-            raise SequenceBusy(f"sequence {seq.seq_id!r} is already in an active step")
+    if any(seq.busy for seq in seqs):
+        busy = next(seq for seq in seqs if seq.busy)
+        raise SequenceBusy(f"sequence {busy.seq_id!r} is already in an active step")
+    count = len(seqs)
+    counts = np.asarray(step.new_tokens, np.int64)
+    lengths = np.fromiter((seq.length for seq in seqs), np.int64, count)
+    npages = np.fromiter((seq.npages for seq in seqs), np.int64, count)
+    new_npages = -(-(lengths + counts) // page_size)
+    tables = _tables(store, step, seqs, npages, int(new_npages.max()))
+    rows = np.arange(count)
+    last_slots = tables[rows, np.maximum(npages - 1, 0)]
+    last_pids = np.where(npages > 0, mgr.slot_pid[last_slots], -1)
+    partial = (lengths % page_size != 0) & (counts > 0)
+    cow = partial & (mgr.ref[last_pids] > 1)
+    held = tables[tables >= 0]
+    needed = len(held) + int((new_npages - npages).sum()) + int(cow.sum())
+    if needed > mgr.available():
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    step._pins = np.bincount(held, minlength=mgr.pool_pages).astype(np.int32)
+    mgr.pins += step._pins
+    step._seqs = seqs
+    grows = np.flatnonzero((new_npages > npages) | cow).tolist()
+    last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
+    step._undo = (lengths, npages, last_pids, last_fill)
+    try:
+        for row in grows:
+            _grow(store, step, seqs[row], step.new_tokens[row], tables[row])
+        inplace = np.flatnonzero(partial & ~cow & (new_npages == npages))
+        if len(inplace):
+            pids = last_pids[inplace]
+            mgr.mark_written_many(pids, last_fill[inplace] + counts[inplace])
+            _inplace_tokens(store, step, seqs, inplace, pids, lengths % page_size)
+    except BaseException:
+        end(store, step, ok=False)
+        raise
+    for seq, length in zip(seqs, (lengths + counts).tolist()):
+        seq.length = length
+        seq.busy = True
+    store._dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
+    store._batch = _Batch(step.seq_ids, seqs, tables, store._table_epoch, mgr.evict_epoch)
+    _outputs(store, step, tables, lengths, counts, new_npages)
+
+
+def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray,
+            width: int) -> np.ndarray:
+    """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled."""
+    mgr, batch = store._mgr, store._batch
+    if (batch is not None and batch.table_epoch == store._table_epoch
+            and batch.evict_epoch == mgr.evict_epoch and batch.seq_ids == step.seq_ids):
+        tables = batch.tables
+        if tables.shape[1] >= width:
+            return tables
+        wider = np.full((len(seqs), max(width, 2 * tables.shape[1])), -1, np.int32)
+        wider[:, :tables.shape[1]] = tables
+        return wider
+    pids = np.concatenate([seq.table for seq in seqs])
     needed = pages_needed(store, seqs, step.new_tokens)
     if needed > mgr.available():
         raise PoolExhausted(
             f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    existing = np.concatenate([seq.table for seq in seqs])
-    slots = mgr.ensure_resident(existing)
-    mgr.verify_many(existing)
-    pinned = [slots]
-    np.add.at(mgr.pins, slots, 1)
-    step._pinned = slots
-    try:
-        for seq, count in zip(seqs, step.new_tokens):
-            seq.busy = True
-            step._seqs.append(seq)
-            if count:
-                step._undo.append((seq, seq.length, seq.npages, int(seq.pids[seq.npages - 1])
-                                   if seq.npages else -1, _last_fill(mgr, seq)))
-                pinned.append(_grow(store, seq, count, step.token_ids.get(seq.seq_id)))
-    except BaseException:
-        step._pinned = np.concatenate(pinned)
-        end(store, step, ok=False)
-        raise
-    step._pinned = np.concatenate(pinned)
-    mgr.touch(step._pinned)
-    _build_outputs(store, step, seqs, page_size)
+    slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
+    mgr.verify_many(pids)
+    tables = np.full((len(seqs), max(width, 1)), -1, np.int32)
+    starts = np.cumsum(npages) - npages
+    rows = np.repeat(np.arange(len(seqs)), npages)
+    tables[rows, np.arange(len(pids)) - starts[rows]] = slots
+    return tables
 
 
-def _last_fill(mgr: Any, seq: Sequence) -> int:
-    return int(mgr.fill[seq.pids[seq.npages - 1]]) if seq.npages else 0
-
-
-def _grow(store: KVStore, seq: Sequence, count: int, token_ids: np.ndarray | None) -> np.ndarray:
-    """Give ``seq`` room for ``count`` more tokens; return the newly pinned slots."""
+def _grow(store: KVStore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:
+    """Give ``seq`` room for ``count`` more tokens, writing new slots into its table row."""
     mgr, page_size = store._mgr, store.geometry.page_size
-    new_slots = []
-    offset, done = seq.length % page_size, 0
+    token_ids = step.token_ids.get(seq.seq_id)
+    length, done = seq.length, 0
+    offset = length % page_size
     if offset:
         last = int(seq.pids[seq.npages - 1])
         if mgr.ref[last] > 1:
             last = store._cow_last(seq)
-            new_slots.append(int(mgr.slot[last]))
-            mgr.pins[mgr.slot[last]] += 1
+            slot = int(mgr.slot[last])
+            row[seq.npages - 1] = slot
+            _pin(mgr, step, slot)
         take = min(count, page_size - offset)
         mgr.mark_written(last, offset + take)
         write_tokens(mgr, last, offset, None if token_ids is None else token_ids[:take])
         done = take
-        seq.length += take
     while done < count:
         pid = mgr.new_page()
-        mgr.pins[mgr.slot[pid]] += 1
-        new_slots.append(int(mgr.slot[pid]))
+        slot = int(mgr.slot[pid])
+        _pin(mgr, step, slot)
         seq.push(pid)
+        row[seq.npages - 1] = slot
         take = min(count - done, page_size)
         mgr.mark_written(pid, take)
         write_tokens(mgr, pid, 0, None if token_ids is None else token_ids[done:done + take])
         done += take
-        seq.length += take
-    store._dirty.add(seq.key)
-    return np.asarray(new_slots, np.int64)
 
 
-def _build_outputs(store: KVStore, step: Step, seqs: list[Sequence], page_size: int) -> None:
+def _pin(mgr: Any, step: Step, slot: int) -> None:
+    mgr.pins[slot] += 1
+    step._pins[slot] += 1
+
+
+def _inplace_tokens(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndarray,
+                    pids: np.ndarray, offsets: np.ndarray) -> None:
+    """Token ids of tokens written into existing last pages (only where ids are involved)."""
+    from .manager import HAS_TOKENS
+
     mgr = store._mgr
-    npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
-    tables = np.concatenate([seq.table for seq in seqs])
-    slots = mgr.slot[tables]
-    width = int(npages.max()) if len(npages) else 0
-    block_tables = np.full((len(seqs), width), -1, np.int32)
-    rows = np.repeat(np.arange(len(seqs)), npages)
-    starts = np.cumsum(npages) - npages
-    cols = np.arange(len(tables)) - np.repeat(starts, npages)
-    block_tables[rows, cols] = slots
-    lens = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
-    new = np.asarray(step.new_tokens, np.int64)
-    first = lens - new
-    # Positions of every new token, then the slot of the page each one falls in.
-    token_rows = np.repeat(np.arange(len(seqs)), new)
-    positions = np.arange(int(new.sum())) - np.repeat(np.cumsum(new) - new, new) + first[token_rows]
-    page_slots = block_tables[token_rows, positions // page_size].astype(np.int64)
-    step.block_tables = block_tables
-    step.slot_mapping = page_slots * page_size + positions % page_size
-    step.seq_lens = lens.astype(np.int32)
+    with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
+    for index in np.flatnonzero(with_ids | bool(step.token_ids)).tolist():
+        seq_id = seqs[int(rows[index])].seq_id
+        write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
+
+
+def _outputs(store: KVStore, step: Step, tables: np.ndarray, lengths: np.ndarray,
+             counts: np.ndarray, new_npages: np.ndarray) -> None:
+    mgr, page_size = store._mgr, store.geometry.page_size
+    width = int(new_npages.max())
+    step.block_tables = tables[:, :width].copy()  # the batch cache keeps mutating ``tables``
+    total = int(counts.sum())
+    if total == len(counts) and counts.max() == 1:  # decode: one token each
+        positions = lengths
+        page_slots = tables[np.arange(len(counts)), positions // page_size]
+    else:
+        token_rows = np.repeat(np.arange(len(counts)), counts)
+        positions = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + lengths[token_rows]
+        page_slots = tables[token_rows, positions // page_size]
+    step.slot_mapping = page_slots.astype(np.int64) * page_size + positions % page_size
+    step.seq_lens = (lengths + counts).astype(np.int32)
+    mgr.touch(step.block_tables[step.block_tables >= 0])
 
 
 def end(store: KVStore, step: Step, ok: bool) -> None:
     """Unpin a step's pages; on failure, roll its new tokens back."""
     mgr, page_size = store._mgr, store.geometry.page_size
     try:
-        if not ok:
-            for seq, length, npages, last, last_fill in reversed(step._undo):
-                store._truncate(seq, length, npages, last, last_fill)
-        else:
-            # Pages are hashed (and so shareable) only once the engine wrote their K/V.
-            for seq, length, _, _, _ in step._undo:
-                for index in range(length // page_size, seq.length // page_size):
-                    seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
+        if step._undo:
+            lengths, npages, last_pids, last_fill = step._undo
+            changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist()
+            if not ok:
+                for row in reversed(changed):
+                    store._truncate(step._seqs[row], int(lengths[row]), int(npages[row]),
+                                    int(last_pids[row]), int(last_fill[row]))
+            elif step.token_ids:
+                # Pages are hashed (and so shareable) only once the engine wrote their K/V.
+                for row in changed:
+                    seq = step._seqs[row]
+                    for index in range(int(lengths[row]) // page_size, seq.length // page_size):
+                        seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
     finally:
-        np.subtract.at(mgr.pins, step._pinned, 1)
+        mgr.pins -= step._pins
+        step._pins = np.zeros(0, np.int32)
         for seq in step._seqs:
             seq.busy = False
-        step._pinned = np.empty(0, np.int64)

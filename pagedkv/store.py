@@ -70,12 +70,15 @@ class KVStore:
                                  spill_limit)
         self.model: str | None = superblock.get("model")
         self.spill_limit_bytes = spill_limit
-        self._dirty: set[bytes] = set()
+        self._dirty: dict[bytes, Sequence] = {}  # block tables the next commit writes
         self._dropped: set[bytes] = set()
+        self._table_epoch = 0  # bumped by every block-table change outside a step
+        self._batch: Any = None  # the last step's block table (see step.py)
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
-        self._seqs, self._state = persist.load(self._mgr, writer=not readonly)
+        tables, self._state = persist.load(self._mgr, writer=not readonly)
+        self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
 
     # -- handle state --------------------------------------------------------
     def _usable(self, write: bool) -> None:
@@ -90,8 +93,9 @@ class KVStore:
             raise ReadOnlyStore(f"{self.path}: opened read-only")
 
     def _seq(self, seq_id: SeqId) -> Sequence:
-        seq = self._seqs.get(seq_key(seq_id))
+        seq = self._seqs.get(seq_id) if type(seq_id) is str or type(seq_id) is int else None
         if seq is None:
+            seq_key(seq_id)  # a typed error for an id of the wrong kind
             raise SequenceNotFound(f"no sequence {seq_id!r}")
         return seq
 
@@ -119,7 +123,7 @@ class KVStore:
         Raises ``SequenceExists`` if the id is taken.
         """
         key = seq_key(seq_id)
-        if key in self._seqs:
+        if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} already exists")
         seq = Sequence(seq_id, key)
         if tokens is not None:
@@ -133,9 +137,10 @@ class KVStore:
             self._stats.add("prefix_query_tokens", len(token_ids))
             self._stats.add("prefix_hit_tokens", seq.length)
             self._stats.add("prefix_hit_pages", len(pids))
-        self._seqs[key] = seq
-        self._dirty.add(key)
+        self._seqs[seq_id] = seq
+        self._dirty[key] = seq
         self._dropped.discard(key)
+        self._table_epoch += 1
         return seq.length
 
     @_op(write=False)
@@ -159,14 +164,16 @@ class KVStore:
         count = datapath.check_kv(self.geometry, k, v)
         token_ids = None if tokens is None else as_token_ids(tokens, count)
         seq = self._idle_seq(seq_id)
+        self._table_epoch += 1
         datapath.append(self, seq, k, v, token_ids)
-        self._dirty.add(seq.key)
+        self._dirty[seq.key] = seq
         self._stats.add("tokens_appended", count)
 
     def _cow_last(self, seq: Sequence) -> int:
         return datapath.cow_last(self, seq)
 
     def _truncate(self, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
+        self._table_epoch += 1
         datapath.truncate(self, seq, length, npages, last, last_fill)
 
     @_op(write=False)
@@ -193,22 +200,23 @@ class KVStore:
         """Make ``dst`` a copy of ``src`` sharing every page (copy-on-write on later appends)."""
         seq = self._idle_seq(src)
         key = seq_key(dst)
-        if key in self._seqs:
+        if dst in self._seqs:
             raise SequenceExists(f"sequence {dst!r} already exists")
         table = seq.table.copy()
         self._mgr.incref(table)
-        self._seqs[key] = Sequence(dst, key, table, seq.length)
-        self._dirty.add(key)
+        self._seqs[dst] = self._dirty[key] = Sequence(dst, key, table, seq.length)
         self._dropped.discard(key)
+        self._table_epoch += 1
 
     @_op(write=True)
     def drop(self, seq_id: SeqId) -> None:
         """Delete a sequence; pages no other sequence references are freed."""
         seq = self._idle_seq(seq_id)
-        del self._seqs[seq.key]
+        del self._seqs[seq.seq_id]
+        self._table_epoch += 1
         self._mgr.decref(seq.table[::-1].copy())  # tail first, like the free order of vLLM
         faults.crashpoint("drop.after_free")
-        self._dirty.discard(seq.key)
+        self._dirty.pop(seq.key, None)
         self._dropped.add(seq.key)
 
     @_op(write=False)
@@ -284,7 +292,7 @@ class KVStore:
         self._state.update(next_uid=self._mgr.next_uid, tick=self._mgr.tick, time=time.time(),
                            commits=int(self._state.get("commits", 0)) + 1,
                            durability=self.durability)
-        persist.commit(self._mgr, self._seqs, self._dirty, self._dropped, self._state,
+        persist.commit(self._mgr, self._dirty, self._dropped, self._state,
                        durable=self.durability == "durable")
         self._stats.add("commits")
 
