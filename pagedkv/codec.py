@@ -14,11 +14,12 @@ import msgpack
 import numpy as np
 import xxhash
 
+from . import spillcodecs
 from .errors import PageCorrupt
+from .spillcodecs import CODECS
 from .geometry import Geometry
 
 FORMAT_VERSION = 1
-CODECS = ("raw",)
 
 _LEN = struct.Struct("<I")
 _IDENT = struct.Struct("<QI")
@@ -62,35 +63,57 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     return hasher.intdigest()
 
 
+def payload_checksum(payload: bytes | memoryview, fill: int, uid: int, seed: int) -> int:
+    """64-bit xxh3 of an encoded payload, bound to its page uid, fill and store."""
+    hasher = xxhash.xxh3_64(seed=seed)
+    hasher.update(_IDENT.pack(uid, fill))
+    hasher.update(payload)
+    return hasher.intdigest()
+
+
 def encode_record(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarray) -> bytearray:
-    """Build the spill value for a page with one copy of its bytes."""
-    header = msgpack.packb(
-        {
-            "v": FORMAT_VERSION,
-            "uid": uid,
-            "dtype": geom.dtype,
-            "shape": list(geom.page_shape),
-            "fill": fill,
-            "codec": "raw",
-            "csum": csum,
-            "nbytes": geom.page_nbytes,
-        }
-    )
+    """Build the raw (bit-exact) spill value of a page with one copy of its bytes."""
+    return encode_spill(geom, uid, fill, csum, page)[0]
+
+
+def encode_spill(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarray,
+                 codec: str = "raw", seed: int = 0) -> tuple[bytearray, str, np.ndarray | None]:
+    """Build the spill value of a page; return (record, codec used, decoded page if lossy).
+
+    A raw record carries ``csum`` (the page checksum of its ``fill`` tokens) and
+    costs one copy of the page; an encoded record carries the checksum of its
+    encoded payload, which is verified before anything is decoded.
+    """
+    if codec == "raw":
+        payload: Any = None
+        nbytes, used, decoded = geom.page_nbytes, "raw", None
+    else:
+        used, payload, decoded = spillcodecs.encode(codec, geom, page, fill)
+        nbytes, csum = len(payload), payload_checksum(payload, fill, uid, seed)
+    header = msgpack.packb({"v": FORMAT_VERSION, "uid": uid, "dtype": geom.dtype,
+                            "shape": list(geom.page_shape), "fill": fill, "codec": used,
+                            "csum": csum, "nbytes": nbytes})
     start = _LEN.size + len(header)
-    out = bytearray(start + geom.page_nbytes)
+    out = bytearray(start + nbytes)
     _LEN.pack_into(out, 0, len(header))
-    out[_LEN.size : start] = header
-    dst = np.frombuffer(out, dtype=geom.np_dtype, offset=start).reshape(geom.page_shape)
-    np.copyto(dst, page)
-    return out
+    out[_LEN.size:start] = header
+    if payload is None:
+        dst = np.frombuffer(out, dtype=geom.np_dtype, offset=start).reshape(geom.page_shape)
+        np.copyto(dst, page)
+    else:
+        out[start:] = payload
+    return out, used, decoded
 
 
-def decode_record(geom: Geometry, value: bytes | memoryview, uid: int) -> tuple[dict[str, Any], np.ndarray]:
-    """Validate a record and return its header and a read-only view of its page.
+def decode_record(geom: Geometry, value: bytes | memoryview, uid: int,
+                  seed: int | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    """Validate a record and return its header and its page (a read-only view for raw).
 
     Raises ``PageCorrupt`` for any malformed header, a field that disagrees with
-    the geometry or with ``uid``, or a payload of the wrong length. The checksum
-    itself is left to the caller, who knows which fill the metadata committed.
+    the geometry or with ``uid``, a payload of the wrong length, an encoded
+    payload that fails its checksum (checked when ``seed`` is given) or does not
+    decode. A raw payload's checksum is left to the caller, who knows which fill
+    the metadata committed.
     """
     view = memoryview(value)
     if len(view) < _LEN.size:
@@ -110,7 +133,14 @@ def decode_record(geom: Geometry, value: bytes | memoryview, uid: int) -> tuple[
         raise PageCorrupt(
             f"page {uid}: payload is {len(payload)} bytes, header declares {header['nbytes']}", uid
         )
-    page = np.frombuffer(payload, dtype=geom.np_dtype).reshape(geom.page_shape)
+    codec = header["codec"]
+    if codec != "raw" and seed is not None and \
+            payload_checksum(payload, header["fill"], uid, seed) != header["csum"]:
+        raise PageCorrupt(f"page {uid}: {codec} payload fails its checksum", uid)
+    try:
+        page = spillcodecs.decode(codec, geom, payload)
+    except spillcodecs.CodecError as exc:
+        raise PageCorrupt(f"page {uid}: {exc}", uid) from None
     return header, page
 
 
@@ -124,7 +154,7 @@ def _header_problem(geom: Geometry, header: Any, uid: int) -> str | None:
         return f"record format version {header['v']} is not {FORMAT_VERSION}"
     if header["uid"] != uid:
         return f"record belongs to page {header['uid']}"
-    if header["codec"] not in CODECS:
+    if not isinstance(header["codec"], str) or header["codec"] not in CODECS:
         return f"unknown codec {header['codec']!r}"
     if header["dtype"] != geom.dtype:
         return f"dtype {header['dtype']!r} is not the store's {geom.dtype!r}"
@@ -133,8 +163,11 @@ def _header_problem(geom: Geometry, header: Any, uid: int) -> str | None:
         return "shape must be a list of positive ints"
     if tuple(shape) != geom.page_shape:
         return f"shape {shape} is not the store's {list(geom.page_shape)}"
-    if header["nbytes"] != geom.page_nbytes:
-        return f"nbytes {header['nbytes']} is not the page size {geom.page_nbytes}"
+    exact = spillcodecs.expected_nbytes(geom, header["codec"])
+    if exact is not None and header["nbytes"] != exact:
+        return f"nbytes {header['nbytes']} is not the {header['codec']} page size {exact}"
+    if not 1 <= header["nbytes"] <= spillcodecs.max_nbytes(geom, header["codec"]):
+        return f"nbytes {header['nbytes']} is out of range for {header['codec']}"
     if not 0 <= header["fill"] <= geom.page_size:
         return f"fill {header['fill']} is outside 0..{geom.page_size}"
     if not 0 <= header["csum"] < 1 << 64:

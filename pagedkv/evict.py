@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import faults
-from .codec import encode_record
+from .codec import encode_spill, page_checksum
+from .spillcodecs import CODECS
 from .errors import StoreFull
 from .spill import uid_key
 
@@ -29,6 +30,9 @@ class _Plan:
         self.deletes: list[tuple[Any, bytes]] = []
         self.spilled: list[tuple[int, int, int]] = []  # (slot, pid, record bytes or -1 kept)
         self.dropped: list[int] = []
+        self.csums: dict[int, int] = {}  # pid -> checksum of its lossily encoded content
+        self.c_csums: dict[int, int] = {}  # pid -> the same over its committed tokens
+        self.codecs: dict[int, int] = {}  # pid -> codec index of its new record
         self.added = 0
         self.removed = 0
 
@@ -52,8 +56,9 @@ def evict(mgr: BlockManager, count: int) -> int:
             _put_record(mgr, plan, slot, pid, int(mgr.fill[pid]), mgr.checksum(pid))
         else:
             plan.spilled.append((slot, pid, -1))
-        if mgr.slot_cpid[slot] == pid:
-            plan.puts.append((mgr.spill.dir, uid_key(int(mgr.uid[pid])), mgr.committed_entry(pid, SPILLED)))
+        if mgr.slot_cpid[slot] == pid or pid in plan.c_csums:
+            entry = mgr.committed_entry(pid, SPILLED, plan.c_csums.get(pid), plan.codecs.get(pid))
+            plan.puts.append((mgr.spill.dir, uid_key(int(mgr.uid[pid])), entry))
     for uid, nbytes in mgr.doomed:
         plan.deletes.append((mgr.spill.pages, uid_key(uid)))
         plan.removed += nbytes
@@ -87,6 +92,12 @@ def evict(mgr: BlockManager, count: int) -> int:
             mgr.c_where[pid] = SPILLED
             mgr.slot_cpid[slot] = -1
         mgr.free_slots.append(slot)
+    for pid, csum in plan.csums.items():
+        mgr.csum[pid] = csum
+    for pid, csum in plan.c_csums.items():
+        mgr.c_csum[pid] = csum
+    for pid, codec in plan.codecs.items():
+        mgr.codec[pid] = codec
     for pid in plan.dropped:
         mgr.forget(pid)
     mgr.evict_epoch += 1
@@ -107,8 +118,17 @@ def _choose(mgr: BlockManager, count: int) -> list[int]:
 
 
 def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, csum: int) -> None:
+    from .manager import NOWHERE
+
     uid = int(mgr.uid[pid])
-    record = encode_record(mgr.geom, uid, fill, csum, mgr.pool[slot])
+    record, used, decoded = encode_spill(mgr.geom, uid, fill, csum, mgr.pool[slot], mgr.spill_codec,
+                                         mgr.seed)
+    plan.codecs[pid] = CODECS.index(used)
+    if decoded is not None:
+        # Lossy: from now on the page *is* its dequantised values, committed tokens included.
+        plan.csums[pid] = page_checksum(decoded, fill, uid, mgr.seed)
+        if mgr.c_where[pid] != NOWHERE:
+            plan.c_csums[pid] = page_checksum(decoded, int(mgr.c_fill[pid]), uid, mgr.seed)
     plan.puts.append((mgr.spill.pages, uid_key(uid), record))
     plan.spilled.append((slot, pid, len(record)))
     plan.added += len(record)

@@ -29,6 +29,7 @@ NOWHERE = -2  # c_where of a page no commit has recorded
 SPILLED = -1
 REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
 HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
+CODEC_SHIFT = 4  # directory flags bits 4-5: codec of the page's spill record
 # Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
 DIR_ENTRY = struct.Struct("<iIQI16s")
 
@@ -38,7 +39,7 @@ class BlockManager:
 
     def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
                  sync: bool, evict_batch: int, stats: Stats, salt: bytes,
-                 spill_limit: int | None = None) -> None:
+                 spill_limit: int | None = None, spill_codec: str = "raw") -> None:
         self.geom = geom
         self.pool = pool.array
         self.pool_file = pool
@@ -68,6 +69,7 @@ class BlockManager:
         self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
         self.spill_bytes = 0  # bytes of page records in LMDB
         self.spill_limit = spill_limit
+        self.spill_codec = spill_codec
 
     # -- directory columns -------------------------------------------------
     _COLUMNS = {
@@ -79,6 +81,7 @@ class BlockManager:
         "hash": (np.dtype("V16"), b""), "ref": (np.int32, 0), "c_ref": (np.int32, 0),
         "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
         "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
+        "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
     }
 
     def _grow(self, capacity: int) -> None:
@@ -272,15 +275,17 @@ class BlockManager:
                     token_ids = np.frombuffer(bytes(raw), dtype="<u4")
         return token_ids
 
-    def committed_entry(self, pid: int, where: int) -> bytes:
-        """Directory value of ``pid``'s committed state at a new placement."""
-        return dir_entry(where, int(self.c_fill[pid]), int(self.c_csum[pid]), int(self.c_flags[pid]),
-                         bytes(self.hash[pid]))
+    def committed_entry(self, pid: int, where: int, csum: int | None = None,
+                        codec: int | None = None) -> bytes:
+        """Directory value of ``pid``'s committed state at a new placement (and record codec)."""
+        codec = int(self.codec[pid]) if codec is None else codec
+        return dir_entry(where, int(self.c_fill[pid]), int(self.c_csum[pid]) if csum is None else csum,
+                         int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]))
 
     def current_entry(self, pid: int, where: int) -> bytes:
         """Directory value of ``pid``'s current state at ``where``."""
         return dir_entry(where, int(self.fill[pid]), self.checksum(pid) if where >= 0 else int(self.csum[pid]),
-                         int(self.flags[pid]), bytes(self.hash[pid]))
+                         int(self.flags[pid]) | int(self.codec[pid]) << CODEC_SHIFT, bytes(self.hash[pid]))
 
     def _restore(self, pids: np.ndarray) -> None:
         order = pids.tolist()
@@ -323,11 +328,12 @@ class BlockManager:
         value = txn.get(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
         if value is None:
             raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
-        header, page = decode_record(self.geom, value, uid)
-        fill, csum = int(self.fill[pid]), int(self.csum[pid])
-        ok = page_checksum(page, header["fill"], uid, self.seed) == header["csum"]
-        if ok and header["fill"] != fill:
-            ok = fill < header["fill"] and page_checksum(page, fill, uid, self.seed) == csum
+        header, page = decode_record(self.geom, value, uid, self.seed)
+        fill, csum, raw = int(self.fill[pid]), int(self.csum[pid]), header["codec"] == "raw"
+        # An encoded payload was checked before decoding; a raw one is checked here.
+        ok = not raw or page_checksum(page, header["fill"], uid, self.seed) == header["csum"]
+        if ok and (header["fill"] != fill or not raw):
+            ok = fill <= header["fill"] and page_checksum(page, fill, uid, self.seed) == csum
         elif ok:
             ok = header["csum"] == csum
         if not ok:

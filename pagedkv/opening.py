@@ -7,7 +7,6 @@ import shutil
 import time
 import uuid as uuidlib
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from . import faults
@@ -19,7 +18,8 @@ from .lockfile import WriterLock
 from .persist import read_superblock, rewrite_superblock, write_superblock
 from .pool import MAGIC, PagePool
 from .spill import SpillStore
-from .store import DURABILITY, KVStore
+from .spillcodecs import CODECS
+from .store import DURABILITY, KVStore, StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE = "pool.bin", "spill", "LOCK"
 
@@ -59,7 +59,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                pool_pages: int | None = None, *, durability: str = "durable",
                readonly: bool = False, evict_batch: int = 64, map_size: int | None = None,
                allow_remote: bool = False, model: str | None = None,
-               allow_model_change: bool = False, spill_limit_bytes: int | None = None) -> KVStore:
+               allow_model_change: bool = False, spill_limit_bytes: int | None = None,
+               spill_codec: str = "raw") -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -75,6 +76,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             unless ``allow_model_change`` (then the store adopts it: old prefixes never match).
         spill_limit_bytes: cap on the bytes of spilled page records; least recently used
             cache-only pages are dropped to stay under it, else ``StoreFull``.
+        spill_codec: how pages are encoded when spilled: "raw" (bit-exact), "int8"
+            (lossy: within half a quantisation step), or "zstd" (lossless, smaller).
     Raises:
         StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, PagedKVError.
     """
@@ -92,8 +95,10 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError("model must be a str fingerprint")
     if spill_limit_bytes is not None and (not isinstance(spill_limit_bytes, int) or spill_limit_bytes < 1):
         raise PagedKVError("spill_limit_bytes must be a positive int")
-    opts = _Options(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
-                    allow_model_change, spill_limit_bytes)
+    if spill_codec not in CODECS:
+        raise PagedKVError(f"spill_codec must be one of {CODECS}, got {spill_codec!r}")
+    opts = StoreOptions(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
+                        allow_model_change, spill_limit_bytes, spill_codec)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise PagedKVError(f"{path} exists and is not a directory")
     if os.path.islink(path):
@@ -127,20 +132,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     return store
 
 
-@dataclass
-class _Options:
-    geometry: Geometry | None
-    pool_pages: int | None
-    durability: str
-    readonly: bool
-    evict_batch: int
-    map_size: int | None
-    model: str | None
-    allow_model_change: bool
-    spill_limit: int | None
-
-
-def _create(path: str, opts: _Options) -> None:
+def _create(path: str, opts: StoreOptions) -> None:
     """Build the store in a private sibling directory, then rename it into place."""
     if opts.geometry is None or opts.pool_pages is None:
         raise PagedKVError(f"{path} holds no store; creating one needs geometry and pool_pages")
@@ -164,7 +156,7 @@ def _create(path: str, opts: _Options) -> None:
         raise
 
 
-def _populate(path: str, geometry: Geometry, pool_pages: int, opts: _Options) -> None:
+def _populate(path: str, geometry: Geometry, pool_pages: int, opts: StoreOptions) -> None:
     store_uuid = uuidlib.uuid4().bytes
     pool = PagePool.create(os.path.join(path, POOL_FILE), geometry, pool_pages, store_uuid)
     pool.close()
@@ -182,7 +174,7 @@ def _populate(path: str, geometry: Geometry, pool_pages: int, opts: _Options) ->
     faults.crashpoint("create.after_superblock")
 
 
-def _recreate(path: str, opts: _Options) -> None:
+def _recreate(path: str, opts: StoreOptions) -> None:
     """Volatile mode: replace the store's contents (the caller holds the lock)."""
     geometry, pool_pages = opts.geometry, opts.pool_pages
     if geometry is None or pool_pages is None:
@@ -194,7 +186,7 @@ def _recreate(path: str, opts: _Options) -> None:
     _populate(path, geometry, pool_pages, opts)
 
 
-def _open_existing(path: str, opts: _Options, lock: Any) -> KVStore:
+def _open_existing(path: str, opts: StoreOptions, lock: Any) -> KVStore:
     if not opts.readonly:
         make_private_dir(path)
     pool = PagePool.open(os.path.join(path, POOL_FILE), writable=not opts.readonly)
@@ -204,6 +196,18 @@ def _open_existing(path: str, opts: _Options, lock: Any) -> KVStore:
     except BaseException:
         pool.close()
         raise
+    try:
+        return assemble(path, pool, spill, opts, lock)
+    except BaseException:
+        pool.close()
+        raise
+
+
+def assemble(path: str, pool: PagePool, spill: SpillStore, opts: StoreOptions, lock: Any) -> KVStore:
+    """Check that pool and spill store belong together and match ``opts``; build the handle.
+
+    On failure the spill store is closed (the pool is the caller's).
+    """
     try:
         superblock = read_superblock(spill)
         if superblock["uuid"] != pool.uuid:
@@ -223,9 +227,7 @@ def _open_existing(path: str, opts: _Options, lock: Any) -> KVStore:
                                     f"not {opts.model!r} (allow_model_change=True to adopt it)")
             superblock["model"] = opts.model
             rewrite_superblock(spill, superblock)
-        return KVStore(path, pool, spill, superblock, opts.durability, opts.readonly,
-                       opts.evict_batch, lock, opts.spill_limit)
+        return KVStore(path, pool, spill, superblock, opts, lock)
     except BaseException:
         spill.close()
-        pool.close()
         raise

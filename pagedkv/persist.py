@@ -7,7 +7,6 @@ transaction records directory, block tables, LRU stamps and counters together.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgpack
@@ -17,7 +16,7 @@ from . import faults
 from .codec import FORMAT_VERSION, unpack_bounded
 from .errors import FormatVersionError, StoreCorrupt
 from .geometry import Geometry
-from .manager import (DIR_ENTRY, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, SPILLED,
+from .manager import (CODEC_SHIFT, DIR_ENTRY, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, SPILLED,
                       BlockManager)
 from .sequence import Sequence
 from .spill import SpillStore, key_uid, uid_key
@@ -197,11 +196,13 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     mgr.csum_ok[:count] = True
     mgr.verified[:count] = ~resident  # resident bytes are checked on first use
     mgr.rec[:count] = np.where(resident, REC_NONE, REC_CURRENT)
-    mgr.flags[:count] = mgr.c_flags[:count] = rows["flags"]
+    flags = rows["flags"]
+    mgr.flags[:count] = mgr.c_flags[:count] = flags & ((1 << CODEC_SHIFT) - 1)
+    mgr.codec[:count] = (flags >> CODEC_SHIFT) & 3
     mgr.hash[:count] = rows["hash"]
     mgr.rec_bytes[:count] = [record_sizes.get(key, 0) for key in keys]
     mgr.spill_bytes = sum(record_sizes.values())
-    for pid in np.flatnonzero(rows["flags"] & HASHED).tolist():
+    for pid in np.flatnonzero(flags & HASHED).tolist():
         mgr.prefix.add(bytes(mgr.hash[pid]), pid)
     mgr.slot_pid[where[resident]] = pids[resident]
     mgr.slot_cpid[where[resident]] = pids[resident]

@@ -21,9 +21,9 @@ from .errors import PagedKVError, StoreCorrupt, StoreLocked
 from .lockfile import lock_holder
 from .manager import BlockManager
 from .pool import PagePool
-from .persist import read_superblock
 from .spill import SpillStore
-from .store import KVStore
+from .opening import assemble
+from .store import KVStore, StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE, LMDB_LOCK = "pool.bin", "spill", "LOCK", "data.mdb", "lock.mdb"
 _COPY_TRIES = 5
@@ -146,20 +146,8 @@ def _open_spill(spill_path: str) -> SpillStore:
 
 
 def _make_store(path: str, pool: PagePool, spill: SpillStore) -> KVStore:
-    """What ``opening._open_existing`` does for a read-only open, on a given spill env."""
-    try:
-        superblock = read_superblock(spill)
-        if superblock["uuid"] != pool.uuid:
-            raise StoreCorrupt(f"{path}: pool.bin belongs to another store (uuid differs)")
-        if superblock["pool_pages"] != pool.pool_pages:
-            raise StoreCorrupt(f"{path}: pool.bin has {pool.pool_pages} slots, the superblock "
-                               f"{superblock['pool_pages']}")
-        if superblock["geometry"] != pool.geom:
-            raise StoreCorrupt(f"{path}: pool.bin geometry differs from the superblock's")
-        return KVStore(path, pool, spill, superblock, "durable", True, 64, None)
-    except BaseException:
-        spill.close()
-        raise
+    """A read-only handle over ``pool`` and a given spill environment (closed on failure)."""
+    return assemble(path, pool, spill, StoreOptions(readonly=True), None)
 
 
 def _file_state(path: str) -> tuple[int, int, int]:

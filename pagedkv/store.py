@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
 from .check import check_store
-from .errors import (PagedKVError, PoolExhausted, ReadOnlyStore, SequenceBusy, SequenceExists,
+from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists,
                      SequenceNotFound, StoreClosed, StoreFull, StoreIOError)
 from .geometry import Geometry
 from .manager import BlockManager
@@ -19,6 +20,7 @@ from .pool import PagePool
 from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore
+from .spillcodecs import CODECS
 from .stats import Stats
 from .step import Step
 
@@ -46,17 +48,32 @@ def _op(write: bool) -> Callable[[F], F]:
     return wrap
 
 
+@dataclass
+class StoreOptions:
+    """How a store is opened (see ``pagedkv.open`` for each field's meaning)."""
+
+    geometry: Geometry | None = None
+    pool_pages: int | None = None
+    durability: str = "durable"
+    readonly: bool = False
+    evict_batch: int = 64
+    map_size: int | None = None
+    model: str | None = None
+    allow_model_change: bool = False
+    spill_limit: int | None = None
+    spill_codec: str = "raw"
+
+
 class KVStore:
     """A persistent paged KV store; obtain one with ``pagedkv.open``."""
 
     def __init__(self, path: str, pool: PagePool, spill: SpillStore, superblock: dict[str, Any],
-                 durability: str, readonly: bool, evict_batch: int, lock: Any,
-                 spill_limit: int | None = None) -> None:
+                 options: StoreOptions, lock: Any) -> None:
         self.path = path
         self.geometry: Geometry = pool.geom
         self.pool_pages = pool.pool_pages
-        self.durability = durability
-        self.readonly = readonly
+        self.durability = durability = options.durability
+        self.readonly = readonly = options.readonly
         self.uuid = pool.uuid.hex()
         self.superblock = superblock
         self._pool_file, self._spill, self._writer_lock = pool, spill, lock
@@ -65,11 +82,12 @@ class KVStore:
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
         self._mgr = BlockManager(pool.geom, pool, spill, int.from_bytes(pool.uuid[:8], "little"),
-                                 durability == "durable", evict_batch, self._stats,
+                                 durability == "durable", options.evict_batch, self._stats,
                                  make_salt(superblock.get("salt", b""), superblock.get("model")),
-                                 spill_limit)
+                                 options.spill_limit, options.spill_codec)
         self.model: str | None = superblock.get("model")
-        self.spill_limit_bytes = spill_limit
+        self.spill_limit_bytes = options.spill_limit
+        self.spill_codec = options.spill_codec
         self._dirty: dict[bytes, Sequence] = {}  # block tables the next commit writes
         self._dropped: set[bytes] = set()
         self._table_epoch = 0  # bumped by every block-table change outside a step
@@ -96,6 +114,9 @@ class KVStore:
         seq = self._seqs.get(seq_id) if type(seq_id) is str or type(seq_id) is int else None
         if seq is None:
             seq_key(seq_id)  # a typed error for an id of the wrong kind
+            if isinstance(seq_id, (str, int)):  # a subclass names the same sequence
+                seq = self._seqs.get(str(seq_id) if isinstance(seq_id, str) else int(seq_id))
+        if seq is None:
             raise SequenceNotFound(f"no sequence {seq_id!r}")
         return seq
 
@@ -351,6 +372,14 @@ class KVStore:
             prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
                              if out["prefix_query_tokens"] else 0.0),
         )
+        stored = np.flatnonzero(mgr.live & (mgr.rec != 0))
+        pages = np.bincount(mgr.codec[stored], minlength=len(CODECS))
+        nbytes = np.bincount(mgr.codec[stored], weights=mgr.rec_bytes[stored], minlength=len(CODECS))
+        for index, name in enumerate(CODECS):
+            out[f"codec_{name}_pages"] = int(pages[index])
+            out[f"codec_{name}_bytes"] = int(nbytes[index])
+            out[f"codec_{name}_ratio"] = (float(pages[index] * self.geometry.page_nbytes / nbytes[index])
+                                          if nbytes[index] else 0.0)
         return out
 
     @_op(write=False)
