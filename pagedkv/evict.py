@@ -33,13 +33,27 @@ class _Plan:
         self.csums: dict[int, int] = {}  # pid -> checksum of its lossily encoded content
         self.c_csums: dict[int, int] = {}  # pid -> the same over its committed tokens
         self.codecs: dict[int, int] = {}  # pid -> codec index of its new record
+        self.repointed: list[int] = []  # resident pages whose redundant record goes
         self.added = 0
         self.removed = 0
 
 
-def evict(mgr: BlockManager, count: int) -> int:
-    """Free up to ``count`` unpinned slots, LRU first; return how many were freed."""
-    from .manager import REC_CURRENT, SPILLED
+def evict(mgr: BlockManager, count: int, need: int | None = None) -> int:
+    """Free up to ``count`` unpinned slots, LRU first; return how many were freed.
+
+    Under a spill cap a full batch may not fit where the ``need`` slots the
+    caller must have still do: then only those are evicted.
+    """
+    try:
+        return _evict(mgr, count)
+    except StoreFull:
+        if need is None or need >= count:
+            raise
+        return _evict(mgr, need)
+
+
+def _evict(mgr: BlockManager, count: int) -> int:
+    from .manager import REC_CURRENT, REC_NONE, SPILLED
 
     victims = _choose(mgr, count)
     if not victims:
@@ -92,6 +106,13 @@ def evict(mgr: BlockManager, count: int) -> int:
             mgr.c_where[pid] = SPILLED
             mgr.slot_cpid[slot] = -1
         mgr.free_slots.append(slot)
+    for pid in plan.repointed:
+        mgr.spill_bytes -= int(mgr.rec_bytes[pid])
+        mgr.rec_bytes[pid] = 0
+        mgr.rec[pid] = REC_NONE
+        if mgr.c_where[pid] == SPILLED:
+            mgr.c_where[pid] = mgr.slot[pid]
+            mgr.slot_cpid[mgr.slot[pid]] = pid
     for pid, csum in plan.csums.items():
         mgr.csum[pid] = csum
     for pid, csum in plan.c_csums.items():
@@ -100,6 +121,7 @@ def evict(mgr: BlockManager, count: int) -> int:
         mgr.codec[pid] = codec
     for pid in plan.dropped:
         mgr.forget(pid)
+    mgr.stats.add("cache_drops", len(plan.dropped))
     mgr.evict_epoch += 1
     mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
     mgr.stats.add("evictions", len(victims))
@@ -114,6 +136,7 @@ def _choose(mgr: BlockManager, count: int) -> list[int]:
     live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0))
     if len(live) > count:
         live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
+    live = live[np.argsort(mgr.stamp[live], kind="stable")]
     return np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
 
 
@@ -136,37 +159,88 @@ def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, 
 
 
 def _enforce_cap(mgr: BlockManager, plan: _Plan) -> None:
-    """Drop least recently used cache-only pages until the batch fits under the cap."""
+    """Make room under the cap: redundant records first, then LRU cache-only pages.
+
+    The cap is never exceeded by more than the batch being written.
+    """
     limit = mgr.spill_limit
     assert limit is not None
     projected = mgr.spill_bytes + plan.added - plan.removed
     if projected <= limit:
         return
     spilling = {pid for _, pid, _ in plan.spilled}
+    projected = _repoint(mgr, plan, spilling, projected, limit)
     # Cache-only pages already spilled free their record; cache-only victims are
     # dropped rather than spilled. Both in least-recently-used order.
     candidates = mgr.droppable()
+    candidates_set = set(candidates.tolist())
     order = sorted(candidates.tolist(), key=lambda pid: (pid not in spilling and mgr.slot[pid] >= 0,
                                                           int(mgr.last_use(pid))))
     for pid in order:
         if projected <= limit:
             break
         if mgr.slot[pid] >= 0 and pid not in spilling:
-            continue  # resident and not a victim: holds no spill bytes
-        if pid in spilling:
-            entry = next(item for item in plan.spilled if item[1] == pid)
-            plan.spilled.remove(entry)
-            slot, _, nbytes = entry
-            if nbytes >= 0:
-                key = uid_key(int(mgr.uid[pid]))
-                plan.puts = [put for put in plan.puts if put[1] != key]
-                plan.added -= nbytes
-                plan.removed -= int(mgr.rec_bytes[pid])
+            # A resident cache page frees a slot: it stands in for the costliest victim.
+            costly = [item for item in plan.spilled if item[2] > 0 and item[1] not in candidates_set]
+            if not costly:
+                continue
+            projected -= _unplan(mgr, plan, costly[-1])
+        elif pid in spilling:
+            _unplan(mgr, plan, next(item for item in plan.spilled if item[1] == pid))
+            projected = mgr.spill_bytes + plan.added - plan.removed
         projected -= _drop(mgr, plan, pid)
-    if projected > limit:
+    # One batch may overshoot (a swap needs the evicted page's record before the
+    # restored one's can go); what was stored before it may not, unless the batch
+    # adds nothing (re-evicting pages whose records are still there).
+    if plan.added and projected - plan.added > limit:
         raise StoreFull(
             f"spill cap of {limit} bytes reached: {projected} bytes would be stored and only pages "
             "of live (or not yet committed) sequences remain; raise spill_limit_bytes or commit")
+
+
+def _repoint(mgr: BlockManager, plan: _Plan, spilling: set[int], projected: int, limit: int) -> int:
+    """Free the records of restored pages: the committed directory moves to their slots.
+
+    A restored page keeps its record until the next commit; under the cap that
+    copy is the first thing to go. Its slot is flushed first, so the directory
+    never points at bytes that are not durable.
+    """
+    from .manager import NOWHERE, REC_NONE, SPILLED
+
+    rows = np.flatnonzero(mgr.live & (mgr.slot >= 0) & (mgr.rec != REC_NONE))
+    flush = []
+    for pid in rows.tolist():
+        if projected <= limit:
+            break
+        if pid in spilling:
+            continue
+        key = uid_key(int(mgr.uid[pid]))
+        plan.deletes.append((mgr.spill.pages, key))
+        plan.removed += int(mgr.rec_bytes[pid])
+        projected -= int(mgr.rec_bytes[pid])
+        if mgr.c_where[pid] == SPILLED:
+            slot = int(mgr.slot[pid])
+            flush.append(slot)
+            plan.puts.append((mgr.spill.dir, key, mgr.committed_entry(pid, slot)))
+        else:
+            assert mgr.c_where[pid] == NOWHERE
+        plan.repointed.append(pid)
+    if flush and mgr.sync:
+        mgr.pool_file.flush_slots(flush)
+    return projected
+
+
+def _unplan(mgr: BlockManager, plan: _Plan, item: tuple[int, int, int]) -> int:
+    """Take a victim out of the batch; return the stored bytes that saves."""
+    slot, pid, nbytes = item
+    plan.spilled.remove(item)
+    key = uid_key(int(mgr.uid[pid]))
+    plan.puts = [put for put in plan.puts if put[1] != key]
+    if nbytes < 0:
+        return 0
+    plan.added -= nbytes
+    plan.removed -= int(mgr.rec_bytes[pid])
+    return nbytes - int(mgr.rec_bytes[pid])
 
 
 def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
@@ -183,5 +257,4 @@ def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
         plan.deletes.append((mgr.spill.dir, key))
     plan.deletes.append((mgr.spill.tokens, key))
     plan.dropped.append(pid)
-    mgr.stats.add("cache_drops")
     return freed

@@ -31,7 +31,7 @@ REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
 HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
 CODEC_SHIFT = 4  # directory flags bits 4-5: codec of the page's spill record
 # Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
-DIR_ENTRY = struct.Struct("<iIQI16s")
+DIR_ENTRY = struct.Struct("<iIQI16sQ")  # ... and the uid of the parent page of a hashed page
 
 
 class BlockManager:
@@ -82,6 +82,7 @@ class BlockManager:
         "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
         "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
         "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
+        "parent": (np.uint64, 0),  # uid of the page a hashed page follows (0: first page)
     }
 
     def _grow(self, capacity: int) -> None:
@@ -197,7 +198,8 @@ class BlockManager:
     def take_slots(self, count: int) -> list[int]:
         """``count`` free slots, evicting least-recently-used pages in batches as needed."""
         while len(self.free_slots) < count:
-            if not self.evict(max(count - len(self.free_slots), self.evict_batch)):
+            need = count - len(self.free_slots)
+            if not self.evict(max(need, self.evict_batch), need):
                 raise PoolExhausted(
                     f"need {count} free slots, {len(self.free_slots)} free and every other slot pinned"
                 )
@@ -233,9 +235,9 @@ class BlockManager:
         """How many slots are free or could be freed now (not pinned)."""
         return int(self.pool_pages - np.count_nonzero(self.pins))
 
-    def evict(self, count: int) -> int:
+    def evict(self, count: int, need: int | None = None) -> int:
         """Spill up to ``count`` LRU unpinned slots in one transaction; return how many were freed."""
-        return evict_batch(self, count)
+        return evict_batch(self, count, need)
 
     def droppable(self) -> np.ndarray:
         """Cache-only pages that no sequence, committed or live, references and no step pins."""
@@ -271,7 +273,7 @@ class BlockManager:
         if token_ids is None and self.flags[pid] & HAS_TOKENS:
             with self.spill.begin_read() as txn:
                 raw = txn.get(uid_key(int(self.uid[pid])), db=self.spill.tokens)
-                if raw is not None and len(raw) == 4 * int(self.fill[pid]):
+                if raw is not None and len(raw) % 4 == 0 and len(raw) <= 4 * self.geom.page_size:
                     token_ids = np.frombuffer(bytes(raw), dtype="<u4")
         return token_ids
 
@@ -280,32 +282,45 @@ class BlockManager:
         """Directory value of ``pid``'s committed state at a new placement (and record codec)."""
         codec = int(self.codec[pid]) if codec is None else codec
         return dir_entry(where, int(self.c_fill[pid]), int(self.c_csum[pid]) if csum is None else csum,
-                         int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]))
+                         int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]),
+                         int(self.parent[pid]))
 
     def current_entry(self, pid: int, where: int) -> bytes:
         """Directory value of ``pid``'s current state at ``where``."""
         return dir_entry(where, int(self.fill[pid]), self.checksum(pid) if where >= 0 else int(self.csum[pid]),
-                         int(self.flags[pid]) | int(self.codec[pid]) << CODEC_SHIFT, bytes(self.hash[pid]))
+                         int(self.flags[pid]) | int(self.codec[pid]) << CODEC_SHIFT, bytes(self.hash[pid]),
+                         int(self.parent[pid]))
 
     def _restore(self, pids: np.ndarray) -> None:
         order = pids.tolist()
-        # Restore in chunks the pool can hold; callers pin what they restored before.
-        slots = self.take_slots(len(order))
+        # Under a spill cap, restore a batch at a time: each batch's eviction can then
+        # free the records the previous batch made redundant, so the cap is never
+        # passed by more than one batch. Restored batches stay pinned until the end.
+        chunk = self.evict_batch if self.spill_limit is not None else max(len(order), 1)
         bad: PageCorrupt | None = None
-        with self.spill.begin_read() as txn:
-            for pid, slot in zip(order, slots):
-                started = time.perf_counter()
-                try:
-                    self._restore_one(txn, pid, slot)
-                except PageCorrupt as exc:
-                    self.free_slots.append(slot)
-                    self.corrupt[pid] = True
-                    self.stats.add("misses")
-                    bad = bad or exc
-                    continue
-                self.stats.restore_latency(time.perf_counter() - started)
-        self.stats.add("restores", len(order) - (bad is not None))
-        self.stats.add("spill_hits", len(order) - (bad is not None))
+        held: list[int] = []
+        try:
+            for start in range(0, len(order), chunk):
+                part = order[start:start + chunk]
+                slots = self.take_slots(len(part))
+                with self.spill.begin_read() as txn:
+                    for pid, slot in zip(part, slots):
+                        started = time.perf_counter()
+                        try:
+                            self._restore_one(txn, pid, slot)
+                        except PageCorrupt as exc:
+                            self.free_slots.append(slot)
+                            self.corrupt[pid] = True
+                            self.stats.add("misses")
+                            bad = bad or exc
+                            continue
+                        self.pins[slot] += 1
+                        held.append(slot)
+                        self.stats.add("restores")
+                        self.stats.add("spill_hits")
+                        self.stats.restore_latency(time.perf_counter() - started)
+        finally:
+            np.subtract.at(self.pins, np.asarray(held, np.int64), 1)
         if bad is not None:
             raise bad
 
@@ -370,7 +385,7 @@ class BlockManager:
             self.verify(pid)
 
 
-def dir_entry(where: int, fill: int, csum: int, flags: int, digest: bytes) -> bytes:
+def dir_entry(where: int, fill: int, csum: int, flags: int, digest: bytes, parent: int) -> bytes:
     """A directory value: placement (slot, -1 spilled), fill, checksum, flags, content hash."""
-    return DIR_ENTRY.pack(where, fill, csum, flags, digest)
+    return DIR_ENTRY.pack(where, fill, csum, flags, digest, parent)
 

@@ -22,7 +22,7 @@ from .sequence import Sequence
 from .spill import SpillStore, key_uid, uid_key
 
 _DIR_DTYPE = np.dtype([("where", "<i4"), ("fill", "<u4"), ("csum", "<u8"), ("flags", "<u4"),
-                       ("hash", "V16")])
+                       ("hash", "V16"), ("parent", "<u8")])
 assert _DIR_DTYPE.itemsize == DIR_ENTRY.size
 
 
@@ -200,6 +200,7 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     mgr.flags[:count] = mgr.c_flags[:count] = flags & ((1 << CODEC_SHIFT) - 1)
     mgr.codec[:count] = (flags >> CODEC_SHIFT) & 3
     mgr.hash[:count] = rows["hash"]
+    mgr.parent[:count] = rows["parent"]
     mgr.rec_bytes[:count] = [record_sizes.get(key, 0) for key in keys]
     mgr.spill_bytes = sum(record_sizes.values())
     for pid in np.flatnonzero(flags & HASHED).tolist():

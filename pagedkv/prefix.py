@@ -10,7 +10,7 @@ can never serve another prompt's KV.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -58,26 +58,27 @@ class PrefixIndex:
         self.page_size = page_size
         self.by_hash: dict[bytes, int] = {}
 
-    def match(self, token_ids: np.ndarray, max_pages: int,
-              tokens_of: Callable[[int], np.ndarray | None]) -> list[int]:
+    def match(self, token_ids: np.ndarray, max_pages: int, mgr: Any) -> list[int]:
         """Page rows of the longest cached run of full pages that starts ``token_ids``.
 
-        ``tokens_of(pid)`` returns a page's stored token ids for the collision check.
+        A hit must hold the same token ids *and* follow the page matched before it
+        (its recorded parent), so even a collision of the chained hash can never
+        serve a page computed after another prefix.
         """
         found: list[int] = []
-        parent = ROOT
+        parent, parent_uid = ROOT, 0
         size = self.page_size
         for index in range(max_pages):
             chunk = token_ids[index * size:(index + 1) * size]
             digest = chain_hash(parent, self.salt, chunk)
             pid = self.by_hash.get(digest)
-            if pid is None:
+            if pid is None or int(mgr.parent[pid]) != parent_uid:
                 break
-            stored = tokens_of(pid)
+            stored = mgr.page_tokens_of(pid)
             if stored is None or not np.array_equal(stored, chunk):
                 break  # a collision (or lost token ids): never share
             found.append(pid)
-            parent = digest
+            parent, parent_uid = digest, int(mgr.uid[pid])
         return found
 
     def add(self, digest: bytes, pid: int) -> bool:
@@ -103,7 +104,7 @@ def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) 
 
     known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
     previous = mgr.page_tokens_of(pid) if offset and known else None
-    if token_ids is None or not known or (offset and previous is None):
+    if token_ids is None or not known or (offset and (previous is None or len(previous) < offset)):
         mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
         mgr.page_tokens.pop(pid, None)
         return
@@ -129,6 +130,7 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
         return
     digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
     mgr.hash[pid] = digest
+    mgr.parent[pid] = mgr.uid[parent] if parent >= 0 else 0
     mgr.flags[pid] |= HASHED
     mgr.chg[pid] = True
     mgr.prefix.add(digest, pid)

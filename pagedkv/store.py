@@ -172,7 +172,7 @@ class KVStore:
             * self.geometry.page_size
 
     def _match(self, token_ids: np.ndarray, max_pages: int) -> list[int]:
-        return self._mgr.prefix.match(token_ids, max_pages, self._mgr.page_tokens_of)
+        return self._mgr.prefix.match(token_ids, max_pages, self._mgr)
 
     @_op(write=True)
     def append(self, seq_id: SeqId, k: np.ndarray, v: np.ndarray, tokens: Any = None) -> None:
