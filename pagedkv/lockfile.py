@@ -9,8 +9,55 @@ from .errors import StoreLocked
 from .files import FILE_MODE, io_error, refuse_symlink
 
 
+PROC_LOCKS = "/proc/locks"
+
+
 def lock_holder(path: str) -> int | None:
-    """Return the pid of a live writer holding ``path`` (a LOCK file), or None; writes nothing."""
+    """Return the pid of a live writer holding ``path`` (a LOCK file), or None; writes nothing.
+
+    The kernel's lock table is read rather than probed with a lock of our own, so
+    asking never makes a starting writer fail.
+    """
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    try:
+        with open(PROC_LOCKS, encoding="ascii", errors="replace") as table:
+            for line in table:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (a "->" marks a waiter)
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[2] != "->":
+                    device, _, inode = fields[5].rpartition(":")
+                    if inode.isdigit() and int(inode) == st.st_ino and _same_device(device, st.st_dev):
+                        if fields[3] == "WRITE":
+                            return _read_pid_at(path) or int(fields[4]) or -1
+        return None
+    except OSError:
+        return _probe(path)
+
+
+def _same_device(text: str, dev: int) -> bool:
+    major, _, minor = text.partition(":")
+    try:
+        return (int(major, 16), int(minor, 16)) == (os.major(dev), os.minor(dev))
+    except ValueError:
+        return False
+
+
+def _read_pid_at(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _read_pid(fd)
+    finally:
+        os.close(fd)
+
+
+def _probe(path: str) -> int | None:
+    """Fallback without /proc: a brief shared lock on a read-only fd."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

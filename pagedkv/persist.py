@@ -234,8 +234,8 @@ def _load_tables(mgr: BlockManager, tables: list[tuple[bytes, bytes]], uids: np.
             table_uids = np.frombuffer(raw, dtype="<u8")
         except Exception:
             raise StoreCorrupt(f"{path}: a block table does not decode") from None
-        if type(length) is not int or length < 0 or len(table_uids) != -(-length // page_size) \
-                or msgpack.packb(seq_id) != key:
+        if type(seq_id) not in (str, int) or type(length) is not int or length < 0 \
+                or len(table_uids) != -(-length // page_size) or msgpack.packb(seq_id) != key:
             raise StoreCorrupt(f"{path}: block table of {seq_id!r} is inconsistent")
         pos = np.searchsorted(uids, table_uids)
         if len(table_uids) and (pos.max() >= len(uids) or (uids[pos] != table_uids).any()):

@@ -151,6 +151,7 @@ def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray
     if (batch is not None and batch.table_epoch == store._table_epoch
             and batch.evict_epoch == mgr.evict_epoch and batch.seq_ids == step.seq_ids):
         tables = batch.tables
+        mgr.stats.add("resident_hits", int(np.count_nonzero(tables >= 0)))
         if tables.shape[1] >= width:
             return tables
         wider = np.full((len(seqs), max(width, 2 * tables.shape[1])), -1, np.int32)
