@@ -9,7 +9,7 @@ import numpy as np
 from .codec import page_checksum
 from .errors import PageCorrupt
 from .manager import REC_CURRENT
-from .spill import key_uid, uid_key
+from .spill import key_uid
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -87,14 +87,18 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
                 mgr.read_record(txn, pid)
             except PageCorrupt as exc:
                 problems.append(str(exc))
-        known = set(mgr.uid[live].tolist()) | {uid for uid, _ in mgr.doomed}
-        known |= {int(mgr.uid[p]) for p in mgr.zombies}
-        # A read-only handle sees the records a crashed writer left uncommitted; the
-        # next writer collects them, so they are not damage.
-        for key in [] if store.readonly else mgr.spill.iterate(txn, mgr.spill.pages, keys_only=True):
-            if key_uid(bytes(key)) not in known:
-                problems.append(f"spill record {key_uid(bytes(key))} belongs to no page")
+    # A read-only handle sees the records a crashed writer left uncommitted; the
+    # next writer collects them, so they are not damage.
+    if not store.readonly:
+        problems += [f"spill record {uid} belongs to no page" for uid in stray_records(store)]
     return problems
 
 
-__all__ = ["check_store", "uid_key"]
+def stray_records(store: KVStore) -> list[int]:
+    """Uids of spill records no page owns (after a crash: left for the next writer to delete)."""
+    mgr = store._mgr
+    known = set(mgr.uid[np.flatnonzero(mgr.live)].tolist()) | {uid for uid, _ in mgr.doomed}
+    known |= {int(mgr.uid[p]) for p in mgr.zombies}
+    with mgr.spill.begin_read() as txn:
+        keys = [key_uid(bytes(key)) for key in mgr.spill.iterate(txn, mgr.spill.pages, keys_only=True)]
+    return [uid for uid in keys if uid not in known]

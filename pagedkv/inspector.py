@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .check import stray_records
 from .codec import decode_record, page_checksum
 from .errors import PageCorrupt, PagedKVError
 from .manager import HASHED, REC_NONE
@@ -28,7 +29,6 @@ MAP_LEGEND = {".": "free", "#": "resident (refcount 1)", "S": "shared (refcount 
 _MAP_CHARS = ".#SPco"  # index = slot state code
 # check() reports spill records that no directory entry names; after a crash these are
 # uncommitted evictions that the next writer open deletes, not damage.
-_GARBAGE = re.compile(r"^spill record \d+ belongs to no page$")
 # Beside a live writer a slot may be reused after our metadata snapshot was taken.
 _LIVE_RACE = re.compile(r"^page \d+: pool slot \d+ fails its checksum$")
 
@@ -282,7 +282,7 @@ def verify(snap: Snapshot) -> dict[str, Any]:
     mgr = snap.mgr
     problems = snap.store.check()
     live_writer = snap.writer_pid is not None
-    garbage = [p for p in problems if _GARBAGE.match(p)]
+    garbage = [f"spill record {uid} belongs to no page" for uid in stray_records(snap.store)]
     unverified = [p for p in problems if live_writer and _LIVE_RACE.match(p)]
     damage = [p for p in problems if p not in garbage and p not in unverified]
     live = np.flatnonzero(mgr.live)
