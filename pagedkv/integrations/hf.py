@@ -19,12 +19,12 @@ Token ids: with ``model=`` the cache watches that module's forward calls made wi
 it as their cache and records their ``input_ids``, so every full page is hashed and
 reusable as a prefix. Without it the K/V is stored but no page is reusable.
 
-Limits: batch size 1 (one cache is one sequence; ``PagedKVError`` otherwise), plain
-full-attention decoders (Llama-architecture models: Llama, Mistral without sliding
-window, Qwen2, ...); no cropping, beam search or ``num_return_sequences > 1``. The
-cache never commits by itself: call ``store.commit()`` when the KV should be durable.
-Tested against transformers 5.24 (``generate(cache=...)``; the deprecated
-``past_key_values=`` still reaches the same argument there).
+Limits: batch size 1 (one cache is one sequence; ``PagedKVError`` otherwise); plain
+full-attention decoders (Llama-architecture models); no cropping, beam search or
+``num_return_sequences > 1``; ``input_ids`` passed to ``generate`` must extend the
+tokens already held. The cache never commits: call ``store.commit()`` when the KV
+should be durable. Tested with transformers 5.24 (``generate(cache=...)``; the
+deprecated ``past_key_values=`` reaches the same argument there).
 """
 
 from __future__ import annotations
@@ -151,8 +151,7 @@ class PagedKVLayer(CacheLayerMixin):
     def offload(self) -> None:
         """Nothing to move: the K/V is in the store."""
 
-    def prefetch(self) -> None:
-        """Nothing to move: the K/V is in the store."""
+    prefetch = offload
 
     def reset(self) -> None:
         """Unsupported: a store sequence is not emptied behind the store's back."""
