@@ -37,7 +37,7 @@ def append(store: KVStore, seq: Sequence, k: np.ndarray, v: np.ndarray,
     """Write ``k``/``v`` after the sequence's last token, page by page."""
     mgr, page_size = store._mgr, store.geometry.page_size
     count = int(k.shape[1])
-    if mgr.available() < 2:
+    if mgr.available() < 1:
         raise PoolExhausted("every pool slot is pinned by active steps")
     pos = 0
     while pos < count:
@@ -129,9 +129,8 @@ def _read_in_place(store: KVStore, pids: np.ndarray, first: int,
     with store._spill.begin_read() as txn:
         for index, pid in enumerate(pids.tolist(), first):
             if mgr.slot[pid] >= 0:
-                mgr.verify(pid)
                 mgr.stats.add("resident_hits")
-                copy_out(index, mgr.pool[mgr.slot[pid]])
+                copy_out(index, mgr.stable_copy(pid))
             else:
                 page, _ = mgr.read_record(txn, pid)
                 mgr.stats.add("spill_hits")

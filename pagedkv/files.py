@@ -29,7 +29,18 @@ def make_private_dir(path: str) -> None:
     """Create ``path`` (and parents) with mode 0700, or tighten an existing one."""
     refuse_symlink(path)
     try:
-        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+        # os.makedirs applies the mode only to the last level; create each one ourselves.
+        missing = []
+        level = os.path.abspath(path)
+        while not os.path.isdir(level):
+            missing.append(level)
+            level = os.path.dirname(level)
+        for level in reversed(missing):
+            try:
+                os.mkdir(level, DIR_MODE)
+            except FileExistsError:
+                pass
+            os.chmod(level, DIR_MODE)
         os.chmod(path, DIR_MODE)
     except OSError as exc:
         raise io_error(exc, f"cannot create directory {path}") from None

@@ -303,8 +303,15 @@ class BlockManager:
             for start in range(0, len(order), chunk):
                 part = order[start:start + chunk]
                 slots = self.take_slots(len(part))
-                with self.spill.begin_read() as txn:
+                unplaced = list(slots)
+                try:
+                    txn = self.spill.begin_read()
+                except BaseException:
+                    self.free_slots.extend(unplaced)
+                    raise
+                with txn:
                     for pid, slot in zip(part, slots):
+                        unplaced.remove(slot)
                         started = time.perf_counter()
                         try:
                             self._restore_one(txn, pid, slot)
@@ -378,6 +385,21 @@ class BlockManager:
             raise PageCorrupt(f"page {int(self.uid[pid])}: pool slot {int(self.slot[pid])} "
                               "fails its checksum", int(self.uid[pid]))
         self.verified[pid] = True
+
+    def stable_copy(self, pid: int) -> np.ndarray:
+        """A verified copy of a resident page, checked every time.
+
+        For read-only handles: a live writer may reuse the slot at any moment, so
+        the bytes are copied first and the copy is what gets checked and returned.
+        """
+        uid = int(self.uid[pid])
+        if self.corrupt[pid]:
+            raise PageCorrupt(f"page {uid} is corrupt", uid)
+        page = self.pool[self.slot[pid]].copy()
+        if page_checksum(page, int(self.fill[pid]), uid, self.seed) != int(self.csum[pid]):
+            raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} fails its checksum "
+                              "(damaged, or reused by a live writer since this handle opened)", uid)
+        return page
 
     def verify_many(self, pids: np.ndarray) -> None:
         """``verify`` each page that has not been verified since reopen."""

@@ -14,7 +14,7 @@ from .codec import FORMAT_VERSION
 from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
 from .files import fsync_dir, make_private_dir, refuse_remote
 from .geometry import Geometry
-from .lockfile import WriterLock
+from .lockfile import WriterLock, lock_holder
 from .persist import read_superblock, rewrite_superblock, write_superblock
 from .pool import MAGIC, PagePool
 from .spill import SpillStore
@@ -181,9 +181,16 @@ def _recreate(path: str, opts: StoreOptions) -> None:
         pool = PagePool.open(os.path.join(path, POOL_FILE), writable=False)
         geometry, pool_pages = geometry or pool.geom, pool_pages or pool.pool_pages
         pool.close()
-    os.unlink(os.path.join(path, POOL_FILE))
-    shutil.rmtree(os.path.join(path, SPILL_DIR), ignore_errors=True)
-    _populate(path, geometry, pool_pages, opts)
+    # Build the new store beside the old one, so a failure leaves the old one whole.
+    staging = os.path.join(path, f".recreate-{uuidlib.uuid4().hex[:8]}")
+    make_private_dir(staging)
+    try:
+        _populate(staging, geometry, pool_pages, opts)
+        shutil.rmtree(os.path.join(path, SPILL_DIR), ignore_errors=True)
+        os.rename(os.path.join(staging, SPILL_DIR), os.path.join(path, SPILL_DIR))
+        os.replace(os.path.join(staging, POOL_FILE), os.path.join(path, POOL_FILE))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _open_existing(path: str, opts: StoreOptions, lock: Any) -> KVStore:
@@ -191,8 +198,10 @@ def _open_existing(path: str, opts: StoreOptions, lock: Any) -> KVStore:
         make_private_dir(path)
     pool = PagePool.open(os.path.join(path, POOL_FILE), writable=not opts.readonly)
     try:
+        live_writer = opts.readonly and lock_holder(os.path.join(path, LOCK_FILE)) is not None
         spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=opts.readonly, create=False,
-                           sync=opts.durability == "durable", map_size=opts.map_size)
+                           sync=opts.durability == "durable", map_size=opts.map_size,
+                           register_reader=not opts.readonly or live_writer)
     except BaseException:
         pool.close()
         raise

@@ -50,7 +50,7 @@ def read_superblock(spill: SpillStore) -> dict[str, Any]:
             raise StoreCorrupt(f"{spill.path}: superblock does not decode") from None
     if not isinstance(sb, dict) or not {"format", "uuid", "geometry", "pool_pages"} <= set(sb):
         raise StoreCorrupt(f"{spill.path}: superblock lacks required fields")
-    if type(sb["format"]) is not int:
+    if type(sb["format"]) is not int or sb["format"] < 1:
         raise StoreCorrupt(f"{spill.path}: superblock format field is invalid")
     if sb["format"] > FORMAT_VERSION:
         raise FormatVersionError(
@@ -171,7 +171,8 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
         tables = [(bytes(k), bytes(v)) for k, v in spill.iterate(txn, spill.seqs)]
         # Buffers make len() free: record sizes without reading the records.
         record_sizes = {bytes(k): len(v) for k, v in spill.iterate(txn, spill.pages)}
-    if any(len(k) != 8 for k in keys) or any(len(v) != DIR_ENTRY.size for v in values):
+    if any(len(k) != 8 for k in keys) or any(len(v) != DIR_ENTRY.size for v in values) \
+            or any(len(k) != 8 for k in record_sizes):
         raise StoreCorrupt(f"{spill.path}: page directory entries are malformed")
     count = len(keys)
     uids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)

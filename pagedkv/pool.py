@@ -82,9 +82,10 @@ class PagePool:
         except OSError as exc:
             os.close(fd)
             raise io_error(exc, f"cannot map {path}") from None
-        self.array = np.ndarray(
-            (pool_pages, *geom.page_shape), dtype=geom.np_dtype, buffer=self._mm, offset=HEADER_NBYTES
-        )
+        # frombuffer holds a buffer export, so closing the mmap while a caller still
+        # has a view raises BufferError (handled in close) instead of unmapping it.
+        self.array = np.frombuffer(self._mm, dtype=geom.np_dtype, offset=HEADER_NBYTES).reshape(
+            (pool_pages, *geom.page_shape))
 
     @classmethod
     def create(cls, path: str, geom: Geometry, pool_pages: int, store_uuid: bytes | None = None) -> PagePool:

@@ -142,7 +142,8 @@ def open_snapshot(path: str, live: bool = True) -> Snapshot:
 
 def _open_spill(spill_path: str) -> SpillStore:
     # map_size only bounds the address space of a read-only mapping; the file decides.
-    return SpillStore(spill_path, readonly=True, create=False, sync=False)
+    # Never registers as an LMDB reader: inspect writes no byte, lock.mdb included.
+    return SpillStore(spill_path, readonly=True, create=False, sync=False, register_reader=False)
 
 
 def _make_store(path: str, pool: PagePool, spill: SpillStore) -> KVStore:

@@ -87,10 +87,17 @@ def decode(codec: str, geom: Geometry, payload: memoryview) -> np.ndarray:
         quant = np.frombuffer(payload, np.int8, offset=4 * nscales).reshape(geom.page_shape)
         return _dequantise(geom, scales, quant)
     if codec == "zstd":
+        # Bound memory before decompressing: the frame must declare exactly one page.
+        try:
+            declared = zstandard.frame_content_size(bytes(payload[:18]))
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd payload has no valid frame header ({exc})") from None
+        if declared != geom.page_nbytes:
+            raise CodecError(f"zstd frame declares {declared} bytes, not {geom.page_nbytes}")
         try:
             raw = zstandard.ZstdDecompressor().decompress(bytes(payload), max_output_size=geom.page_nbytes)
-        except zstandard.ZstdError as exc:
-            raise CodecError(f"zstd payload does not decompress ({exc})") from None
+        except (zstandard.ZstdError, MemoryError) as exc:
+            raise CodecError(f"zstd payload does not decompress ({type(exc).__name__})") from None
         if len(raw) != geom.page_nbytes:
             raise CodecError(f"zstd payload decompresses to {len(raw)} bytes, not {geom.page_nbytes}")
         return np.frombuffer(raw, dtype=geom.np_dtype).reshape(geom.page_shape)

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+import lmdb
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
 from .check import check_store
-from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists,
+from .errors import (PageCorrupt, PagedKVError, StoreCorrupt, ReadOnlyStore, SequenceBusy, SequenceExists,
                      SequenceNotFound, StoreClosed, StoreFull, StoreIOError)
 from .geometry import Geometry
+from .lockfile import lock_holder
 from .manager import BlockManager
 from .pool import PagePool
 from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
-from .spill import SpillStore
+from .spill import SpillStore, lmdb_error
 from .spillcodecs import CODECS
 from .stats import Stats
 from .step import Step
@@ -37,9 +40,16 @@ def _op(write: bool) -> Callable[[F], F]:
                 self._usable(write)
                 try:
                     return fn(self, *args, **kwargs)
+                except lmdb.Error as exc:
+                    error = lmdb_error(exc, fn.__name__)
+                    if not self.readonly:
+                        self._poisoned = str(error)
+                    raise error from None
                 except (StoreIOError, StoreFull) as exc:
-                    if write:
-                        self._poisoned = str(exc)  # the last commit stays intact on disk
+                    # Reads evict and restore too: any failed I/O leaves memory ahead of
+                    # (or behind) disk, so the handle stops; the last commit is intact.
+                    if not self.readonly and not getattr(exc, "recoverable", False):
+                        self._poisoned = str(exc)
                     raise
 
         inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore
@@ -72,7 +82,7 @@ class KVStore:
         self.path = path
         self.geometry: Geometry = pool.geom
         self.pool_pages = pool.pool_pages
-        self.durability = durability = options.durability
+        self.durability = options.durability
         self.readonly = readonly = options.readonly
         self.uuid = pool.uuid.hex()
         self.superblock = superblock
@@ -81,10 +91,8 @@ class KVStore:
         self._no_steps = threading.Condition(self._lock)
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
-        self._mgr = BlockManager(pool.geom, pool, spill, int.from_bytes(pool.uuid[:8], "little"),
-                                 durability == "durable", options.evict_batch, self._stats,
-                                 make_salt(superblock.get("salt", b""), superblock.get("model")),
-                                 options.spill_limit, options.spill_codec)
+        self._options = options
+        self._mgr = self._new_manager()
         self.model: str | None = superblock.get("model")
         self.spill_limit_bytes = options.spill_limit
         self.spill_codec = options.spill_codec
@@ -95,8 +103,30 @@ class KVStore:
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
-        tables, self._state = persist.load(self._mgr, writer=not readonly)
+        tables, self._state = self._load(writer=not readonly)
         self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
+
+    def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
+        try:
+            return persist.load(self._mgr, writer=writer)
+        except lmdb.Error as exc:
+            raise lmdb_error(exc, f"cannot load {self.path}") from None
+        except (struct.error, ValueError, OverflowError) as exc:  # hostile bytes in metadata
+            raise StoreCorrupt(f"{self.path}: metadata is malformed ({exc})") from None
+
+    def _new_manager(self) -> BlockManager:
+        pool, options, superblock = self._pool_file, self._options, self.superblock
+        return BlockManager(pool.geom, pool, self._spill, int.from_bytes(pool.uuid[:8], "little"),
+                            options.durability == "durable", options.evict_batch, self._stats,
+                            make_salt(superblock.get("salt", b""), superblock.get("model")),
+                            options.spill_limit, options.spill_codec)
+
+    def _refresh(self) -> None:
+        """Read-only: take a new snapshot of the store (a live writer has moved on)."""
+        self._spill.refresh()
+        self._mgr = self._new_manager()
+        tables, self._state = self._load(writer=False)
+        self._seqs = {seq.seq_id: seq for seq in tables.values()}
 
     # -- handle state --------------------------------------------------------
     def _usable(self, write: bool) -> None:
@@ -212,7 +242,20 @@ class KVStore:
         if not 0 <= start <= stop <= seq.length:
             raise PagedKVError(f"range [{start}, {stop}) is outside sequence {seq_id!r} "
                                f"of length {seq.length}")
-        out = datapath.read(self, seq, int(start), int(stop))
+        for attempt in range(5):
+            try:
+                out = datapath.read(self, seq, int(start), int(stop))
+                break
+            except PageCorrupt:
+                # Beside a live writer a read-only snapshot goes stale as slots are
+                # reused; committed tokens never change, so a fresh snapshot serves them.
+                if not self.readonly or attempt == 4 or \
+                        lock_holder(os.path.join(self.path, "LOCK")) is None:
+                    raise
+                self._refresh()
+                seq = self._seq(seq_id)
+                if seq.length < stop:
+                    raise PagedKVError(f"sequence {seq_id!r} changed under a live writer") from None
         self._stats.add("tokens_read", stop - start)
         return out
 
@@ -322,6 +365,8 @@ class KVStore:
         with self._lock:
             if self._closed:
                 return
+            if self._active_steps.get(threading.get_ident()):
+                raise SequenceBusy("close() inside an active step of this thread")
             try:
                 if not self.readonly and not self._poisoned and os.getpid() == self._pid:
                     self._wait_no_steps("close()")
@@ -337,6 +382,8 @@ class KVStore:
 
     def _release(self) -> None:
         self._closed = True
+        self._mgr.pool = None  # type: ignore[assignment]  # our own view must not pin the map
+        self._batch = None
         self._spill.close()
         self._pool_file.close()
         if self._writer_lock is not None:

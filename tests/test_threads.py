@@ -1,0 +1,210 @@
+"""Threads sharing one store: appends, steps (engine writes outside the lock), reads, forks,
+drops and commits, for a bounded number of operations; then everything is bit-exact.
+
+Each worker owns its sequences, so the expected bytes are known; workers also read
+each other's sequences (which only grow) and commit. No sleeps: a barrier starts
+the workers together and joins with a deadline detect a deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import pagedkv
+from pagedkv import PoolExhausted
+from support import GEOM, Model, engine_write, kv, same_bits
+
+PS = GEOM.page_size
+WORKERS = 4
+OPS = 400
+OWN = 3  # sequences per worker
+MAX_LEN = 10 * PS  # per sequence: 4 x 3 x 10 = 120 pages for a pool of 56
+POOL_PAGES = 56
+
+
+class Worker:
+    def __init__(self, index: int, store: pagedkv.KVStore, seed: int, barrier: threading.Barrier,
+                 everyone: list[Worker]) -> None:
+        self.index = index
+        self.store = store
+        self.rng = np.random.default_rng(seed + index)
+        self.model = Model(seed)
+        self.barrier = barrier
+        self.everyone = everyone
+        self.seqs = [f"w{index}-{i}" for i in range(OWN)]
+        self.lengths = {seq: 0 for seq in self.seqs}  # published after each append/step
+        self.keys: dict[str, object] = {}
+        self.errors: list[BaseException] = []
+        self.counts = {"steps": 0, "appends": 0, "reads": 0, "foreign_reads": 0, "commits": 0,
+                       "forks": 0, "exhausted": 0}
+
+    def setup(self) -> None:
+        for seq in self.seqs:
+            self.store.create(seq)
+            self.model.create(seq)
+            self.keys[seq] = self.model.keys[seq]
+
+    def run(self) -> None:
+        try:
+            self.barrier.wait(timeout=60)
+            for op in range(OPS):
+                try:
+                    self.one(op)
+                except PoolExhausted:
+                    # Legitimate under contention: other workers' steps pin every slot a
+                    # read or an append would need. Nothing of the operation took effect
+                    # (appends resynchronise their model below).
+                    self.counts["exhausted"] += 1
+        except BaseException as exc:  # reported by the test thread
+            self.errors.append(exc)
+
+    def one(self, op: int) -> None:
+        r = self.rng.random()
+        store, model = self.store, self.model
+        if r < 0.3:
+            seq = self.seqs[int(self.rng.integers(OWN))]
+            n = min(int(self.rng.integers(1, 3 * PS)), MAX_LEN - model.lens[seq])
+            if n <= 0:
+                return
+            k, v = model.next_kv(seq, n)
+            try:
+                store.append(seq, k, v)
+            except PoolExhausted:  # every other slot pinned by other workers' steps right now
+                # the pages written before the error stay: they are a prefix of k/v
+                model.undo(seq, store.length(seq))
+                self.lengths[seq] = model.lens[seq]
+                raise
+            self.lengths[seq] = model.lens[seq]
+            self.counts["appends"] += 1
+        elif r < 0.6:
+            chosen = [self.seqs[i] for i in self.rng.choice(OWN, size=int(self.rng.integers(1, 3)), replace=False)]
+            counts = {s: min(MAX_LEN - model.lens[s], int(self.rng.integers(2, 10))
+                             if self.rng.random() < 0.2 else 1) for s in chosen}
+            kvs = [model.next_kv(s, counts[s]) for s in chosen]
+            try:
+                step = store.step(counts)
+                step.__enter__()
+            except PoolExhausted:  # refused before anything changed
+                for s in chosen:
+                    model.undo(s, self.lengths[s])
+                raise
+            try:
+                assert step.seq_lens.tolist() == [model.lens[s] for s in chosen]
+                engine_write(store, step, kvs)  # outside the store lock, like a real engine
+            finally:
+                step.__exit__(None, None, None)
+            for s in chosen:
+                self.lengths[s] = model.lens[s]
+            self.counts["steps"] += 1
+        elif r < 0.8:
+            seq = self.seqs[int(self.rng.integers(OWN))]
+            n = model.lens[seq]
+            start = int(self.rng.integers(0, n + 1))
+            model.verify(store, seq, start, int(self.rng.integers(start, n + 1)))
+            self.counts["reads"] += 1
+        elif r < 0.9:
+            other = self.everyone[int(self.rng.integers(len(self.everyone)))]
+            seq = other.seqs[int(self.rng.integers(OWN))]
+            n = other.lengths[seq]  # a length the owner has published: those tokens exist
+            if n:
+                k, v = store.read(seq, 0, n)
+                ek, ev = kv(model.seed, other.keys[seq], 0, n)
+                assert same_bits(k, ek) and same_bits(v, ev), f"{seq} read by worker {self.index}"
+            self.counts["foreign_reads"] += 1
+        elif r < 0.95:
+            src = self.seqs[int(self.rng.integers(OWN))]
+            dst = f"w{self.index}-fork{op}"
+            store.fork(src, dst)
+            model.fork(src, dst)
+            if self.rng.random() < 0.5:
+                k, v = model.next_kv(dst, int(self.rng.integers(1, PS + 2)))
+                try:
+                    store.append(dst, k, v)
+                except PoolExhausted:
+                    model.undo(dst, store.length(dst))
+                    store.drop(dst)
+                    model.drop(dst)
+                    raise
+            model.verify(store, dst)
+            store.drop(dst)
+            model.drop(dst)
+            self.counts["forks"] += 1
+        else:
+            store.commit()
+            self.counts["commits"] += 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("durability", ["durable", "nosync"])
+def test_threads_shared_store_bit_exact(stores, seed: int, durability: str) -> None:
+    store = stores.open(pool_pages=POOL_PAGES, durability=durability, evict_batch=4)
+    barrier = threading.Barrier(WORKERS)
+    workers: list[Worker] = []
+    for i in range(WORKERS):
+        workers.append(Worker(i, store, seed, barrier, workers))
+    for w in workers:
+        w.setup()
+    threads = [threading.Thread(target=w.run, name=f"worker-{w.index}", daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stuck = [t.name for t in threads if t.is_alive()]
+    assert not stuck, f"deadlock or livelock: {stuck} still running"
+    for w in workers:
+        if w.errors:
+            raise w.errors[0]
+    totals = {key: sum(w.counts[key] for w in workers) for key in workers[0].counts}
+    print("totals:", totals, "stats:", {k: store.stats()[k] for k in ("evictions", "restores", "commits")})
+    assert sum(len(w.errors) for w in workers) == 0
+    assert totals["steps"] > 0 and totals["appends"] > 0 and totals["commits"] > 0
+    assert store.stats()["pool_pinned"] == 0
+    st = store.stats()
+    assert st["evictions"] > 0 and st["restores"] > 0
+    for w in workers:
+        for seq in w.seqs:
+            assert store.length(seq) == w.model.lens[seq]
+            w.model.verify(store, seq)
+    assert sorted(store.sequences()) == sorted(s for w in workers for s in w.seqs)
+    assert store.check() == []
+    store = stores.reopen(store, durability=durability)
+    for w in workers:
+        for seq in w.seqs:
+            w.model.verify(store, seq)
+    assert store.check() == []
+
+
+@pytest.mark.timeout(60)
+def test_threads_commit_waits_for_other_threads_step(stores) -> None:
+    """A commit from another thread waits until a step ends, then commits the step's tokens."""
+    store = stores.open(pool_pages=8)
+    model = Model(7)
+    store.create("a")
+    model.create("a")
+    entered, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def committer() -> None:
+        try:
+            assert entered.wait(30)
+            store.commit()  # blocks until the step below has ended
+            done.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=committer, daemon=True)
+    t.start()
+    with store.step({"a": 5}) as s:
+        entered.set()
+        engine_write(store, s, [model.next_kv("a", 5)])
+        # whenever the committer got to commit(), it cannot have finished inside the step
+        assert not done.is_set()
+    t.join(timeout=30)
+    assert not t.is_alive() and not errors and done.is_set()
+    store._abandon()  # a crash right after: the committed state includes the step's tokens
+    store = stores.open(geom=None, pool_pages=None)
+    model.verify_all(store)
+    assert store.check() == []
