@@ -29,6 +29,9 @@ from .step import Step
 
 F = TypeVar("F", bound=Callable[..., Any])
 DURABILITY = ("durable", "nosync", "volatile")
+# Counters the commit adds to the persistent state record (cumulative over sessions).
+PERSISTED_COUNTERS = ("prefix_queries", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_pages",
+                      "evictions", "restores", "cache_drops")
 
 
 def _op(write: bool) -> Callable[[F], F]:
@@ -91,6 +94,7 @@ class KVStore:
         self._no_steps = threading.Condition(self._lock)
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
+        self._counted: dict[str, int] = {}  # counter values already added to the state record
         self._options = options
         self._mgr = self._new_manager()
         self.model: str | None = superblock.get("model")
@@ -353,6 +357,11 @@ class KVStore:
     def _commit(self) -> None:
         if self.durability == "volatile":
             return
+        # Prefix-cache counters accumulate across sessions, so inspect can show them.
+        counts = self._stats.counts
+        for name in PERSISTED_COUNTERS:
+            self._state[name] = int(self._state.get(name, 0)) + counts[name] - self._counted.get(name, 0)
+            self._counted[name] = counts[name]
         self._state.update(next_uid=self._mgr.next_uid, tick=self._mgr.tick, time=time.time(),
                            commits=int(self._state.get("commits", 0)) + 1,
                            durability=self.durability)
