@@ -20,7 +20,8 @@ import math
 import tempfile
 from typing import Any, Callable, Iterable
 
-from .bench_data import b1_prefill, b3_read, b4_churn
+from .bench_churn import b4_churn
+from .bench_data import b1_prefill, b3_read
 from .bench_mem import b8_memory
 from .bench_meta import b2_step, b5_seed, b6_reopen, b7_commit
 from .bench_util import ROW_KEYS, Ctx
@@ -35,7 +36,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "B1": ("prefill append vs page-by-page memmap copy", b1_prefill),
     "B2": ("decode bookkeeping: step() vs a pure-Python block manager", b2_step),
     "B3": ("read whole sequences vs numpy copy", b3_read),
-    "B4": ("spill/restore churn vs raw LMDB (and one file per page)", b4_churn),
+    "B4": ("spill/restore churn vs raw LMDB (and one file per page), per spill codec", b4_churn),
     "B5": ("the seed workload: 20,000 60-byte tokens, 0.5 MB pool", b5_seed),
     "B6": ("reopen time at 10k/100k/1M pages", b6_reopen),
     "B7": ("commit after a 256-sequence decode step vs a bare LMDB commit", b7_commit),

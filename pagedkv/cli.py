@@ -10,12 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 from typing import Any, Callable
 
 import click
 from click.utils import PacifyFlushWrapper
 
-from . import __version__, clitext, demo as demo_mod, inspector, seedload
+from . import __version__, bench as bench_mod, clitext, demo as demo_mod, inspector, seedload
 from .errors import PagedKVError, StoreLocked
 from .geometry import PRESETS
 from .snapshot import open_snapshot
@@ -96,6 +97,7 @@ def cli() -> None:
         pagedkv demo                 # run a serving workload into ./demo.kv
         pagedkv inspect demo.kv      # look inside it (read-only)
         pagedkv verify demo.kv       # check every page checksum
+        pagedkv bench --quick        # the benchmark suite, small
     """
 
 
@@ -253,3 +255,37 @@ def verify(path: str, live: bool, as_json: bool) -> None:
     if not result["ok"]:
         sys.exit(EXIT_INVALID)
 
+
+
+@cli.command()
+@click.option("--quick", is_flag=True, help="Small sizes, as CI runs it (checks that it runs, not its numbers).")
+@click.option("--scenario", "scenarios", metavar="ID", multiple=True,
+              help=f"Run only this scenario (repeatable, any case): {', '.join(bench_mod.SCENARIOS)}.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random choice.")
+@click.option("--workdir", type=click.Path(exists=True, file_okay=False, path_type=str), default=None,
+              help="Where the temporary stores go (default: the temp dir); durable rows measure its disk.")
+@json_option
+def bench(quick: bool, scenarios: tuple[str, ...], seed: int, workdir: str | None, as_json: bool) -> None:
+    """Run the benchmarks of PERFORMANCE.md (B1-B8) and print their table.
+
+    Each row is a pagedkv figure beside its reference measured in the same
+    process, interleaved (A B A B ...), their ratio and the target. Progress
+    goes to stderr when it is a terminal. --json prints the rows with stable
+    keys: scenario, name, pagedkv, reference, unit, ratio, target, meets,
+    params, notes, metrics. The full suite takes minutes and gigabytes of disk.
+
+    \b
+    Example:
+        pagedkv bench --quick
+        pagedkv bench --scenario B4 --scenario b7
+        pagedkv bench --quick --json > bench.json
+    """
+    ids = bench_mod.scenario_ids(scenarios or None)  # refuse an unknown id before running anything
+    started = time.perf_counter()
+
+    def progress(line: str) -> None:
+        click.echo(clitext.one_line(f"[{time.perf_counter() - started:7.1f}s] {line}"), err=True)
+
+    rows = bench_mod.run(ids, quick=quick, seed=seed, workdir=workdir,
+                         progress=progress if sys.stderr.isatty() else None)
+    _emit(as_json, rows, bench_mod.format_table(rows))

@@ -163,6 +163,11 @@ def summary_text(info: dict[str, Any]) -> str:
                   f"{pages['shared']:,} shared, {pages['cached']:,} cached for prefix reuse"
                   + (f", {pages['orphan']:,} orphan" if pages["orphan"] else "")),
         ("spilled on disk", f"{nbytes(pages['spilled_bytes'])} in {pages['spill_records']:,} records"),
+        ("spill codecs", _codecs_text(info["spill_codecs"])),
+        ("prefix cache", f"{info['prefix_cache']['shared_pages']:,} pages shared (refcount > 1), "
+                         f"{info['prefix_cache']['cached_pages']:,} cached only (refcount 0, indexed)"),
+        ("prefix hits", _hits_text(info["prefix_cache"])),
+        ("lifetime", _lifetime_text(info["lifetime"])),
         ("lmdb", f"map {nbytes(lmdb['map_size'])}, used {nbytes(lmdb['map_used'])}, data.mdb "
                  f"{nbytes(lmdb['file_bytes'])}, {readers} readers, txn {lmdb['last_txnid']}"),
         ("sequences", f"{info['sequences']:,} ({info['tokens']:,} tokens)"),
@@ -172,6 +177,33 @@ def summary_text(info: dict[str, Any]) -> str:
     ]
     notes = "".join(f"\nnote: {one_line(note)}" for note in info["notes"])
     return clean(pairs(items) + notes)
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _codecs_text(codecs: dict[str, dict[str, Any]]) -> str:
+    used = [f"{name}: {c['pages']:,} pages in {nbytes(c['bytes'])}, ratio {c['ratio']:.2f}"
+            for name, c in codecs.items() if c["pages"]]
+    return "; ".join(used) or "no page records"
+
+
+def _hits_text(cache: dict[str, Any]) -> str:
+    if all(cache[key] is None for key in ("queries", "query_tokens", "hit_tokens", "hit_pages")):
+        return "not recorded (last committed by a pagedkv that kept no counters)"
+    if cache["queries"] == 0:
+        return "0.0%: no create(tokens=...) so far"
+    rate = "?" if cache["hit_rate"] is None else f"{100 * cache['hit_rate']:.1f}%"
+    return (f"{rate}: {_count(cache['hit_tokens'])} of {_count(cache['query_tokens'])} prompt tokens "
+            f"reused ({_count(cache['hit_pages'])} pages) in {_count(cache['queries'])} create(tokens=...)")
+
+
+def _lifetime_text(counts: dict[str, int | None]) -> str:
+    if all(value is None for value in counts.values()):
+        return "not recorded"
+    return (f"{_count(counts['evictions'])} evictions, {_count(counts['restores'])} restores, "
+            f"{_count(counts['cache_drops'])} cached pages dropped (all sessions, to the last commit)")
 
 
 def sequences_text(rows: list[dict[str, Any]]) -> str:

@@ -44,15 +44,15 @@ def evict(mgr: BlockManager, count: int, need: int | None = None) -> int:
     Under a spill cap a full batch may not fit where the ``need`` slots the
     caller must have still do: then only those are evicted.
     """
-    try:
-        return _evict(mgr, count)
+    if need is None or need >= count or mgr.spill_limit is None:
+        return _evict(mgr, count, strict=False)
+    try:  # a whole batch only if it fits under the cap; else just what is needed
+        return _evict(mgr, count, strict=True)
     except StoreFull:
-        if need is None or need >= count:
-            raise
-        return _evict(mgr, need)
+        return _evict(mgr, need, strict=False)
 
 
-def _evict(mgr: BlockManager, count: int) -> int:
+def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
     from .manager import REC_CURRENT, REC_NONE, SPILLED
 
     victims = _choose(mgr, count)
@@ -77,7 +77,7 @@ def _evict(mgr: BlockManager, count: int) -> int:
         plan.deletes.append((mgr.spill.pages, uid_key(uid)))
         plan.removed += nbytes
     if mgr.spill_limit is not None:
-        _enforce_cap(mgr, plan)
+        _enforce_cap(mgr, plan, strict)
     doomed, mgr.doomed = mgr.doomed, []
 
     def body(txn: Any) -> None:
@@ -158,7 +158,7 @@ def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, 
     plan.removed += int(mgr.rec_bytes[pid])
 
 
-def _enforce_cap(mgr: BlockManager, plan: _Plan) -> None:
+def _enforce_cap(mgr: BlockManager, plan: _Plan, strict: bool) -> None:
     """Make room under the cap: redundant records first, then LRU cache-only pages.
 
     The cap is never exceeded by more than the batch being written.
@@ -192,7 +192,7 @@ def _enforce_cap(mgr: BlockManager, plan: _Plan) -> None:
     # One batch may overshoot (a swap needs the evicted page's record before the
     # restored one's can go); what was stored before it may not, unless the batch
     # adds nothing (re-evicting pages whose records are still there).
-    if plan.added and projected - plan.added > limit:
+    if plan.added and (projected - plan.added > limit or (strict and projected > limit)):
         raise StoreFull(
             f"spill cap of {limit} bytes reached: {projected} bytes would be stored and only pages "
             "of live (or not yet committed) sequences remain; raise spill_limit_bytes or commit")

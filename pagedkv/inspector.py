@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .cachereport import cached_mask, lifetime, prefix_cache, spill_codecs
 from .check import stray_records
 from .codec import decode_record, page_checksum
 from .errors import PageCorrupt, PagedKVError
@@ -40,11 +41,12 @@ def _iso(seconds: Any) -> str | None:
 
 
 def summary(snap: Snapshot) -> dict[str, Any]:
-    """Identity, geometry, pool and page occupancy, LMDB use, sequences, last commit, writer."""
+    """Identity, geometry, pool and page occupancy, prefix cache, spill codecs, LMDB, commit, writer."""
     store, mgr, geom = snap.store, snap.mgr, snap.store.geometry
     live = np.flatnonzero(mgr.live)
     resident = live[mgr.slot[live] >= 0]
-    cached = _cached(snap, live)
+    cached = cached_mask(snap, live)
+    shared = int(np.count_nonzero(mgr.ref[live] > 1))
     slot_codes = _slot_codes(snap)
     record_count, record_bytes = 0, 0
     spill = store._spill
@@ -63,7 +65,7 @@ def summary(snap: Snapshot) -> dict[str, Any]:
         "uuid": store.uuid,
         "created": _iso(sb.get("created")),
         "geometry": geom.to_dict(),
-        "model": store.model if isinstance(store.model, str) else None,
+        "model": sb.get("model") if isinstance(sb.get("model"), str) else None,
         "page_bytes": geom.page_nbytes,
         "token_bytes": geom.token_nbytes,
         "pool": {
@@ -78,13 +80,16 @@ def summary(snap: Snapshot) -> dict[str, Any]:
             "total": len(live),
             "resident": len(resident),
             "spilled": len(live) - len(resident),
-            "shared": int(np.count_nonzero(mgr.ref[live] > 1)),
+            "shared": shared,
             "hashed": int(np.count_nonzero(mgr.flags[live] & HASHED)),
             "cached": int(np.count_nonzero(cached)),
             "orphan": int(np.count_nonzero((mgr.ref[live] == 0) & ~cached)),
             "spill_records": record_count,
             "spilled_bytes": record_bytes,
         },
+        "prefix_cache": prefix_cache(snap, shared, int(np.count_nonzero(cached))),
+        "lifetime": lifetime(snap),
+        "spill_codecs": spill_codecs(snap),
         "lmdb": {
             "map_size": meta.get("map_size", info["map_size"]),
             "map_used": info["map_used"],
@@ -113,13 +118,6 @@ def _id(seq_id: Any) -> Any:
     return seq_id if type(seq_id) in (str, int) else repr(seq_id)
 
 
-def _cached(snap: Snapshot, pids: np.ndarray) -> np.ndarray:
-    """Which of ``pids`` no sequence references but the prefix index keeps (what a writer keeps)."""
-    mgr = snap.mgr
-    return np.array([mgr.ref[pid] == 0 and bool(mgr.flags[pid] & HASHED)
-                     and mgr.prefix.holds(bytes(mgr.hash[pid]), pid) for pid in pids.tolist()], bool)
-
-
 def _slot_codes(snap: Snapshot) -> np.ndarray:
     """Per slot: 0 free, 1 resident, 2 shared, 3 pinned, 4 cached, 5 orphan (see ``_MAP_CHARS``)."""
     mgr = snap.mgr
@@ -130,7 +128,7 @@ def _slot_codes(snap: Snapshot) -> np.ndarray:
     codes[used] = 1
     codes[used & (ref > 1)] = 2
     unowned = np.flatnonzero(used & (ref == 0))
-    codes[unowned] = np.where(_cached(snap, owner[unowned]), 4, 5)
+    codes[unowned] = np.where(cached_mask(snap, owner[unowned]), 4, 5)
     codes[mgr.pins > 0] = 3
     return codes
 

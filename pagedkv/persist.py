@@ -67,80 +67,79 @@ def read_superblock(spill: SpillStore) -> dict[str, Any]:
 def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
            state: dict[str, Any], durable: bool) -> None:
     """Make the current state the committed one, in write-ahead order."""
-    entries: list[tuple[int, int, bytes]] = []
-    token_puts: list[tuple[bytes, bytes]] = []
-    record_deletes: list[int] = []  # pids whose record goes
-    for pid in np.flatnonzero(mgr.chg & mgr.live).tolist():
-        slot = int(mgr.slot[pid])
-        where = slot if slot >= 0 else SPILLED
-        entries.append((pid, where, mgr.current_entry(pid, where)))
-        if slot >= 0 and mgr.rec[pid] != REC_NONE:
-            record_deletes.append(pid)
-        if mgr.flags[pid] & HAS_TOKENS and pid in mgr.page_tokens:
-            token_puts.append((uid_key(int(mgr.uid[pid])), mgr.page_tokens[pid].tobytes()))
-    zombies = list(mgr.zombies)
-    record_deletes += [pid for pid in zombies if mgr.rec[pid] != REC_NONE]
-    doomed = list(mgr.doomed)
+    pids = np.flatnonzero(mgr.chg & mgr.live)
+    for pid in pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]].tolist():
+        mgr.checksum(pid)
+    where = np.where(mgr.slot[pids] >= 0, mgr.slot[pids], SPILLED).astype(np.int32)
+    rows = np.zeros(len(pids), _DIR_DTYPE)
+    rows["where"], rows["fill"], rows["csum"] = where, mgr.fill[pids], mgr.csum[pids]
+    rows["flags"] = mgr.flags[pids].astype(np.uint32) | mgr.codec[pids].astype(np.uint32) << CODEC_SHIFT
+    rows["hash"], rows["parent"] = mgr.hash[pids], mgr.parent[pids]
+    keys = _uid_keys(mgr.uid[pids])
+    blob, size = rows.tobytes(), _DIR_DTYPE.itemsize
+    entries = [(keys[i], blob[i * size:(i + 1) * size]) for i in range(len(pids))]
+    token_puts = [(uid_key(int(mgr.uid[pid])), mgr.page_tokens[pid].tobytes())
+                  for pid in pids[(mgr.flags[pids] & HAS_TOKENS) != 0].tolist() if pid in mgr.page_tokens]
+    zombies = np.asarray(mgr.zombies, np.int64)
+    gone = np.concatenate([pids[(where >= 0) & (mgr.rec[pids] != REC_NONE)],
+                           zombies[mgr.rec[zombies] != REC_NONE]])  # records no longer needed
+    record_deletes = _uid_keys(mgr.uid[gone]) + [uid_key(uid) for uid, _ in mgr.doomed]
+    zombie_keys = _uid_keys(mgr.uid[zombies])
     faults.crashpoint("commit.before_flush")
     if durable:
         mgr.pool_file.flush_slots(np.flatnonzero(mgr.dirty_slot))
     faults.crashpoint("commit.after_flush")
     seq_puts = [(key, pack_table(mgr, seq)) for key, seq in dirty.items()]
     seq_deletes = [key for key in dropped if key not in dirty]
-    state_blob = msgpack.packb(state)
-    stamps = mgr.stamp.astype("<i8").tobytes()
+    meta_puts = [(b"lru", mgr.stamp.astype("<i8").tobytes()), (b"state", msgpack.packb(state))]
     spill = mgr.spill
 
     def body(txn: Any) -> None:
-        for pid, _, value in entries:
-            spill.put(txn, spill.dir, uid_key(int(mgr.uid[pid])), value)
-        for key, value in token_puts:
-            spill.put(txn, spill.tokens, key, value)
-        for pid in zombies:
-            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.dir)
-            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.tokens)
-        for pid in record_deletes:
-            txn.delete(uid_key(int(mgr.uid[pid])), db=spill.pages)
-        for uid, _ in doomed:
-            txn.delete(uid_key(uid), db=spill.pages)
-        for key, value in seq_puts:
-            spill.put(txn, spill.seqs, key, value)
+        for db, items in ((spill.dir, entries), (spill.tokens, token_puts), (spill.seqs, seq_puts),
+                          (spill.meta, meta_puts)):
+            if items:
+                faults.io("put")
+                txn.cursor(db=db).putmulti(items)
+        for key in zombie_keys:
+            txn.delete(key, db=spill.dir)
+            txn.delete(key, db=spill.tokens)
+        for key in record_deletes:
+            txn.delete(key, db=spill.pages)
         for key in seq_deletes:
             txn.delete(key, db=spill.seqs)
-        spill.put(txn, spill.meta, b"state", state_blob)
-        spill.put(txn, spill.meta, b"lru", stamps)
 
     spill.write(body, "commit")
     faults.crashpoint("commit.after_commit")
-    _apply(mgr, entries, zombies, record_deletes, doomed)
+    _apply(mgr, pids, where, zombies, gone)
     dirty.clear()
     dropped.clear()
 
 
-def _apply(mgr: BlockManager, entries: list[tuple[int, int, bytes]], zombies: list[int],
-           record_deletes: list[int], doomed: list[tuple[int, int]]) -> None:
+def _uid_keys(uids: np.ndarray) -> list[bytes]:
+    blob = np.asarray(uids, np.uint64).astype(">u8").tobytes()
+    return [blob[i:i + 8] for i in range(0, len(blob), 8)]
+
+
+def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.ndarray,
+           gone: np.ndarray) -> None:
     """Update the in-memory committed view after a commit returned."""
-    page_size = mgr.geom.page_size
-    for pid in record_deletes:
-        mgr.spill_bytes -= int(mgr.rec_bytes[pid])
-        mgr.rec_bytes[pid] = 0
-        mgr.rec[pid] = REC_NONE
-    mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
-    for pid, where, _ in entries:
-        old = int(mgr.c_where[pid])
-        if old >= 0 and mgr.slot_cpid[old] == pid:
-            mgr.slot_cpid[old] = -1
-        mgr.c_where[pid], mgr.c_fill[pid] = where, mgr.fill[pid]
-        mgr.c_csum[pid], mgr.c_flags[pid] = mgr.csum[pid], mgr.flags[pid]
-        if where >= 0:
-            mgr.slot_cpid[where] = pid
-        if mgr.fill[pid] == page_size:
-            mgr.page_tokens.pop(pid, None)  # committed to the tokens table; read back on a hit
-    for pid in zombies:
-        old = int(mgr.c_where[pid])
-        if old >= 0 and mgr.slot_cpid[old] == pid:
-            mgr.slot_cpid[old] = -1
-        mgr.c_where[pid] = NOWHERE
+    mgr.spill_bytes -= int(mgr.rec_bytes[gone].sum()) + sum(nbytes for _, nbytes in mgr.doomed)
+    mgr.rec_bytes[gone] = 0
+    mgr.rec[gone] = REC_NONE
+    moved = np.concatenate([pids, zombies])
+    old = mgr.c_where[moved]
+    held = old >= 0
+    clear = old[held][mgr.slot_cpid[old[held]] == moved[held]]
+    mgr.slot_cpid[clear] = -1
+    mgr.c_where[pids], mgr.c_fill[pids], mgr.c_csum[pids] = where, mgr.fill[pids], mgr.csum[pids]
+    mgr.c_flags[pids] = mgr.flags[pids]
+    resident = where >= 0
+    mgr.slot_cpid[where[resident]] = pids[resident]
+    if mgr.page_tokens:  # token ids of full pages now live in the tokens table
+        for pid in pids[mgr.fill[pids] == mgr.geom.page_size].tolist():
+            mgr.page_tokens.pop(pid, None)
+    mgr.c_where[zombies] = NOWHERE
+    for pid in zombies.tolist():
         mgr._recycle(pid)
     mgr.c_ref[:] = mgr.ref
     mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0))[::-1].tolist()

@@ -35,7 +35,9 @@ def uid_key(uid: int) -> bytes:
 
 
 def key_uid(key: bytes) -> int:
-    """Inverse of ``uid_key``."""
+    """Inverse of ``uid_key``; a key of another length is damage."""
+    if len(key) != _UID.size:
+        raise StoreCorrupt(f"a page key of {len(key)} bytes is not a uid")
     return _UID.unpack(key)[0]
 
 
@@ -79,9 +81,16 @@ def check_data_file(path: str) -> None:
             found.append((txnid, last_page))
     if not found:
         raise StoreCorrupt(f"{path}: no valid LMDB meta page")
+    if size < 2 * psize:
+        raise StoreCorrupt(f"{path}: file of {size} bytes is shorter than its two meta pages")
     _, last_page = max(found)
-    if size < (last_page + 1) * psize:  # larger is fine: a failed write may have extended it
-        raise StoreCorrupt(f"{path}: file is {size} bytes, its meta page needs {(last_page + 1) * psize}")
+    # A torn last page inside the range the meta declares is damage (truncation);
+    # a partial page beyond it is what a failed extending write leaves, and whole
+    # pages past the end are ones LMDB allocated but never needed to write.
+    if size % psize and size < (last_page + 1) * psize:
+        raise StoreCorrupt(f"{path}: file is {size} bytes, cut inside page {size // psize}")
+    # Pages up to the meta's last page need not all be written yet (LMDB allocates
+    # ahead); walk_pages checks that every page the tree reaches lies in the file.
 
 
 def probe_in_child(path: str, lock: bool = False, timeout: float = 10.0) -> None:
@@ -152,6 +161,7 @@ def walk_pages(path: str) -> None:
         metas = [struct.unpack_from("<QQ", raw, base + 136)[::-1] + (base,) for base in (0, psize)
                  if struct.unpack_from("<I", raw, base + 16)[0] == _META_MAGIC]
         _, last_page, base = max(metas)  # (txnid, last page, offset) of the newest meta
+        last_page = min(last_page, len(raw) // psize - 1)  # reachable pages must exist
         roots = [struct.unpack_from("<Q", raw, base + offset)[0] for offset in (80, 128)]
         stack = [root for root in roots if root != _P_INVALID]
         seen: set[int] = set()
