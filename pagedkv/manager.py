@@ -98,7 +98,7 @@ class BlockManager:
 
     def _new_pid(self, uid: int) -> int:
         if not self.free_pids:
-            self._grow(self._cap * 2)
+            self._grow(self._cap + max(64, self._cap // 4))  # modest steps: metadata RAM is per page
         pid = self.free_pids.pop()
         for name, (_, default) in self._COLUMNS.items():
             getattr(self, name)[pid] = default
@@ -347,11 +347,15 @@ class BlockManager:
         uid = int(self.uid[pid])
         if self.corrupt[pid]:
             raise PageCorrupt(f"page {uid} is corrupt", uid)
+        return self.fetch_record(txn, uid, int(self.fill[pid]), int(self.csum[pid]))
+
+    def fetch_record(self, txn: object, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
+        """``read_record`` for a page known by its uid, fill and checksum (safe off the lock)."""
         value = txn.get(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
         if value is None:
             raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
         header, page = decode_record(self.geom, value, uid, self.seed)
-        fill, csum, raw = int(self.fill[pid]), int(self.csum[pid]), header["codec"] == "raw"
+        raw = header["codec"] == "raw"
         # An encoded payload was checked before decoding; a raw one is checked here.
         ok = not raw or page_checksum(page, header["fill"], uid, self.seed) == header["csum"]
         if ok and (header["fill"] != fill or not raw):

@@ -176,8 +176,8 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     count = len(keys)
     uids = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
     rows = np.frombuffer(b"".join(values), dtype=_DIR_DTYPE)
-    while mgr._cap < count + 1:
-        mgr._grow(mgr._cap * 2)
+    if mgr._cap < count + 1:
+        mgr._grow(count + max(64, count // 8))
     mgr.free_pids = list(range(mgr._cap - 1, count - 1, -1))
     pids = np.arange(count)
     where = rows["where"].astype(np.int32)
@@ -245,7 +245,7 @@ def _load_tables(mgr: BlockManager, tables: list[tuple[bytes, bytes]], uids: np.
             expected[-1] = length - (len(pos) - 1) * page_size
         if (mgr.fill[pos] < expected).any():
             raise StoreCorrupt(f"{path}: block table of {seq_id!r} is longer than its pages' fill")
-        seqs[key] = Sequence(seq_id, key, pos.astype(np.int64).copy(), length)
+        seqs[key] = Sequence(seq_id, key, pos.astype(np.int32), length)
         np.add.at(mgr.ref, pos, 1)
     return seqs
 

@@ -36,7 +36,7 @@ class Sequence:
     def __init__(self, seq_id: SeqId, key: bytes, pids: np.ndarray | None = None, length: int = 0) -> None:
         self.seq_id = seq_id
         self.key = key
-        self.pids = np.zeros(8, np.int64) if pids is None else pids
+        self.pids = np.zeros(8, np.int32) if pids is None else pids
         self.npages = 0 if pids is None else len(pids)
         self.length = length
         self.busy = False  # part of an active step
@@ -49,7 +49,7 @@ class Sequence:
     def push(self, pid: int) -> None:
         """Append one page to the block table."""
         if self.npages == len(self.pids):
-            grown = np.zeros(max(8, 2 * len(self.pids)), np.int64)
+            grown = np.zeros(max(8, len(self.pids) + len(self.pids) // 2), np.int32)
             grown[: self.npages] = self.pids[: self.npages]
             self.pids = grown
         self.pids[self.npages] = pid

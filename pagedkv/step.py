@@ -97,7 +97,10 @@ def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) ->
 def begin(store: KVStore, step: Step) -> None:
     """Plan and pin a step (called with the store lock held)."""
     mgr, page_size = store._mgr, store.geometry.page_size
-    seqs = [store._seq(seq_id) for seq_id in step.seq_ids]
+    get = store._seqs.get
+    seqs = [get(seq_id) for seq_id in step.seq_ids]
+    if None in seqs or not {type(seq_id) for seq_id in step.seq_ids} <= {str, int}:
+        seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
     if any(seq.busy for seq in seqs):
         busy = next(seq for seq in seqs if seq.busy)
         raise SequenceBusy(f"sequence {busy.seq_id!r} is already in an active step")
@@ -139,7 +142,10 @@ def begin(store: KVStore, step: Step) -> None:
     for seq, length in zip(seqs, (lengths + counts).tolist()):
         seq.length = length
         seq.busy = True
-    store._dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
+    if counts.all():
+        store._dirty.update({seq.key: seq for seq in seqs})
+    else:
+        store._dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
     store._batch = _Batch(step.seq_ids, seqs, tables, store._table_epoch, mgr.evict_epoch)
     _outputs(store, step, tables, lengths, counts, new_npages)
 

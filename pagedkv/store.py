@@ -7,7 +7,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import lmdb
 import numpy as np
@@ -20,6 +20,7 @@ from .geometry import Geometry
 from .lockfile import lock_holder
 from .manager import BlockManager
 from .pool import PagePool
+from .prefetch import Prefetch, Prefetcher
 from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
@@ -95,6 +96,7 @@ class KVStore:
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
         self._counted: dict[str, int] = {}  # counter values already added to the state record
+        self._prefetcher = Prefetcher(self)
         self._options = options
         self._mgr = self._new_manager()
         self.model: str | None = superblock.get("model")
@@ -369,8 +371,24 @@ class KVStore:
                        durable=self.durability == "durable")
         self._stats.add("commits")
 
+    @_op(write=False)
+    def prefetch(self, seq_ids: Iterable[SeqId]) -> Prefetch:
+        """Start restoring the spilled pages of ``seq_ids`` in the background; return at once.
+
+        The handle's ``wait()`` blocks until it is done. A later ``step()`` or
+        ``read()`` finds the pages resident, or restores what is still in flight
+        itself. Pages restored this way count as ``prefetch_restores`` in stats().
+        """
+        ids = list(seq_ids)
+        for seq_id in ids:
+            self._seq(seq_id)  # unknown ids are an error now, not in the thread
+        return self._prefetcher.submit(ids)
+
     def close(self) -> None:
         """Commit (unless read-only, volatile or poisoned), then release every resource."""
+        if self._active_steps.get(threading.get_ident()):
+            raise SequenceBusy("close() inside an active step of this thread")
+        self._prefetcher.stop()
         with self._lock:
             if self._closed:
                 return
@@ -386,6 +404,7 @@ class KVStore:
 
     def _abandon(self) -> None:
         """Drop the handle without committing: an in-process crash, for tests."""
+        self._prefetcher.stop()
         with self._lock:
             self._release()
 
