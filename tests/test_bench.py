@@ -57,11 +57,31 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     assert any("naive" in row["name"] for row in churn)
     for row in churn:
         assert {"restore_ms_p50", "restore_ms_p99"} <= set(row["metrics"])
+    assert [row["params"]["spill_codec"] for row in churn if "spill_codec" in row["params"]] == \
+        ["raw", "int8", "zstd"]  # quick: one configuration
     (seed,) = by_id["B5"]
     assert {"memory_hits", "disk_hits", "misses", "restore_ms_mean", "total_s"} <= set(seed["metrics"])
     assert seed["metrics"]["disk_hits"] == 20  # tokens 0-19 were all spilled
     assert {row["params"]["durability"] for row in by_id["B7"]} == {"durable", "nosync", "volatile"}
     assert all(row["unit"] == "B/page" for row in by_id["B8"])
+
+
+def test_b4_codec_rows_report_throughput_and_bytes_on_disk(rows: list[dict[str, Any]]) -> None:
+    codec = {row["params"]["spill_codec"]: row for row in rows if "spill_codec" in row["params"]}
+    for name, row in codec.items():
+        metrics = row["metrics"]
+        assert row["scenario"] == "B4" and name in row["name"] and row["unit"] == "GiB/s"
+        assert row["pagedkv"] > 0 and row["reference"] > 0
+        assert metrics["spill_bytes"] > 0 and metrics["data_mdb_bytes"] >= metrics["spill_bytes"]
+        assert metrics["codec_pages"] > 0 and metrics["codec_ratio"] > 0
+        assert metrics["pagedkv_restores_per_pass"] > 0
+    # The same passes through every store: the same pages stored, fewer bytes when compressed.
+    assert codec["int8"]["metrics"]["codec_pages"] == codec["raw"]["metrics"]["codec_pages"]
+    assert codec["int8"]["metrics"]["spill_bytes"] < 0.6 * codec["raw"]["metrics"]["spill_bytes"]
+    assert codec["zstd"]["metrics"]["spill_bytes"] < codec["raw"]["metrics"]["spill_bytes"]
+    assert codec["raw"]["metrics"]["readback_exact"] is True and codec["zstd"]["metrics"]["readback_exact"] is True
+    assert codec["int8"]["metrics"]["readback_exact"] is False  # lossy, within half a step
+    assert 0 < codec["int8"]["metrics"]["readback_max_abs_error"] < 0.02
 
 
 def test_rows_are_json_and_render(rows: list[dict[str, Any]]) -> None:

@@ -243,7 +243,9 @@ def test_demo_refuses_a_store_in_use(store_path: Path) -> None:
 # -- inspect --------------------------------------------------------------------------
 
 SUMMARY_KEYS = {"path", "format_version", "uuid", "created", "geometry", "model", "page_bytes", "token_bytes",
-                "pool", "pages", "lmdb", "sequences", "tokens", "last_commit", "writer", "snapshot", "notes"}
+                "pool", "pages", "prefix_cache", "lifetime", "spill_codecs", "lmdb", "sequences", "tokens",
+                "last_commit", "writer", "snapshot", "notes"}
+PREFIX_KEYS = {"shared_pages", "cached_pages", "queries", "query_tokens", "hit_tokens", "hit_pages", "hit_rate"}
 
 
 def test_inspect_summary_json_matches_library(store_path: Path) -> None:
@@ -261,6 +263,14 @@ def test_inspect_summary_json_matches_library(store_path: Path) -> None:
         assert out["page_bytes"] == store.geometry.page_nbytes
         assert out["format_version"] == store.superblock["format"] == 1
         commits = store._state["commits"]
+        state = dict(store._state)
+    assert set(out["prefix_cache"]) == PREFIX_KEYS
+    assert out["lifetime"] == {key: state[key] for key in ("evictions", "restores", "cache_drops")}
+    assert out["lifetime"]["evictions"] > 0  # a 6-slot pool under 12+ pages of sequences
+    assert set(out["spill_codecs"]) == {"raw", "int8", "zstd"}
+    assert out["spill_codecs"]["raw"]["pages"] == stats["codec_raw_pages"] == stats["spilled_pages"]
+    assert out["spill_codecs"]["raw"]["bytes"] == stats["codec_raw_bytes"] == out["pages"]["spilled_bytes"]
+    assert out["spill_codecs"]["int8"] == out["spill_codecs"]["zstd"] == {"pages": 0, "bytes": 0, "ratio": 0.0}
     assert out["sequences"] == stats["sequences"] and out["tokens"] == stats["tokens"]
     assert out["pool"]["slots"] == stats["pool_pages"] == 6
     assert out["pool"]["resident"] == stats["pool_used"] and out["pool"]["free"] == stats["pool_free"]
@@ -275,7 +285,8 @@ def test_inspect_summary_json_matches_library(store_path: Path) -> None:
 def test_inspect_summary_text(store_path: Path) -> None:
     text = run("inspect", store_path).stdout
     for label in ("format version", "uuid", "geometry", "page bytes", "pool slots", "spilled on disk",
-                  "lmdb", "sequences", "last commit", "durable mode", "writer"):
+                  "spill codecs", "prefix cache", "prefix hits", "lifetime", "lmdb", "sequences", "last commit",
+                  "durable mode", "writer"):
         assert label in text
 
 
@@ -358,6 +369,107 @@ def test_inspect_forms_combine(store_path: Path) -> None:
     assert set(out) == {"sequences", "map", "seq"}
 
 
+def _prefix_store(path: Path) -> list[int]:
+    """Two sessions of prefix reuse (3 queries, 2 hits), one dropped prompt left cached; the prompt."""
+    prompt = list(range(100, 140))  # 40 tokens: two full pages and a half
+    other = list(range(500, 532))  # 32 tokens: two full pages
+    with pagedkv.open(path, TINY, pool_pages=32, model="test-model") as store:
+        assert store.create("p", tokens=prompt) == 0  # nothing cached yet: 40 tokens asked, 0 hit
+        store.append("p", *kv(1, 0, 40), tokens=prompt)
+        assert store.create("q", tokens=prompt + [7, 8]) == 32  # 42 asked, 2 pages hit
+        store.create("gone")
+        store.append("gone", *kv(2, 0, 32), tokens=other)
+        store.drop("gone")  # its two full pages stay in the prefix index, refcount 0
+    with pagedkv.open(path) as store:  # a second session adds to the persisted counters
+        assert store.create("r", tokens=prompt[:33]) == 32  # 33 asked, 2 pages hit
+        store.drop("p")  # the half page goes; the full ones stay shared by q and r
+    return prompt
+
+
+def test_inspect_prefix_cache_counts_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "prefix.kv"
+    _prefix_store(path)
+    out = run_json("inspect", path)
+    assert out["prefix_cache"] == {"shared_pages": 2, "cached_pages": 2, "queries": 3,
+                                   "query_tokens": 40 + 42 + 33, "hit_tokens": 64, "hit_pages": 4,
+                                   "hit_rate": 64 / 115}
+    assert out["pages"]["shared"] == 2 and out["pages"]["cached"] == 2
+    assert out["lifetime"] == {"evictions": 0, "restores": 0, "cache_drops": 0}
+    assert out["model"] == "test-model"
+    with pagedkv.open(path, readonly=True) as store:
+        assert {key: store._state[f"prefix_{key}"] for key in ("queries", "query_tokens", "hit_tokens",
+                                                               "hit_pages")} == \
+            {key: out["prefix_cache"][key] for key in ("queries", "query_tokens", "hit_tokens", "hit_pages")}
+    text = run("inspect", path).stdout
+    assert "2 pages shared (refcount > 1), 2 cached only" in text
+    assert "55.7%: 64 of 115 prompt tokens reused (4 pages) in 3 create(tokens=...)" in text
+    assert "0 evictions, 0 restores, 0 cached pages dropped" in text
+    assert re.search(r"^model +test-model$", text, re.M)
+
+
+def test_inspect_prefix_cache_without_queries_is_zero(store_path: Path) -> None:
+    cache = run_json("inspect", store_path)["prefix_cache"]
+    assert cache["queries"] == cache["hit_tokens"] == 0 and cache["hit_rate"] == 0.0
+    assert cache["shared_pages"] == 2  # "a" and its fork "b" share two full pages
+    assert "no create(tokens=...) so far" in run("inspect", store_path).stdout
+
+
+def test_inspect_spill_codecs(tmp_path: Path) -> None:
+    path = tmp_path / "codecs.kv"
+    for session, codec in enumerate(("int8", "zstd")):
+        with pagedkv.open(path, TINY, pool_pages=4, spill_codec=codec) as store:
+            store.create(codec)
+            store.append(codec, *kv(session + 1, 0, 96))  # six pages through a 4-slot pool
+            store.create(f"{codec}-pusher")  # pushes the rest of the sequence out
+            store.append(f"{codec}-pusher", *kv(session + 9, 0, 64))
+    out = run_json("inspect", path)
+    with pagedkv.open(path, readonly=True) as store:
+        stats = store.stats()
+    codecs = out["spill_codecs"]
+    for name in ("raw", "int8", "zstd"):
+        figures = codecs[name]
+        assert figures["pages"] == stats[f"codec_{name}_pages"]
+        assert figures["bytes"] == stats[f"codec_{name}_bytes"]
+        assert figures["ratio"] == pytest.approx(stats[f"codec_{name}_ratio"])
+        if figures["bytes"]:
+            assert figures["ratio"] == pytest.approx(figures["pages"] * TINY.page_nbytes / figures["bytes"])
+    assert codecs["int8"]["pages"] > 0 and codecs["zstd"]["pages"] > 0 and codecs["raw"]["pages"] == 0
+    assert 1.8 < codecs["int8"]["ratio"] < 2.0  # one byte per fp16 element, plus scales and a header
+    assert codecs["zstd"]["ratio"] > 1.0  # kvgen's values are multiples of 1/512: compressible
+    assert sum(c["pages"] for c in codecs.values()) == out["pages"]["spill_records"]
+    text = run("inspect", path).stdout
+    assert f"int8: {codecs['int8']['pages']} pages in " in text and "zstd: " in text and "raw: " not in text
+
+
+# -- bench ----------------------------------------------------------------------------
+
+ROW_KEYS = ["scenario", "name", "pagedkv", "reference", "unit", "ratio", "target", "meets", "params", "notes",
+            "metrics"]
+
+
+def test_bench_json_rows(tmp_path: Path) -> None:
+    rows = run_json("bench", "--quick", "--scenario", "b1", "--scenario", "B1", "--seed", 3,
+                    "--workdir", tmp_path)
+    assert len(rows) == 1 and list(rows[0]) == ROW_KEYS
+    assert rows[0]["scenario"] == "B1" and rows[0]["unit"] == "GiB/s" and rows[0]["params"]["pairs"] == 5
+    assert list(tmp_path.iterdir()) == []  # the temporary stores are gone
+
+
+def test_bench_text_table(tmp_path: Path) -> None:
+    text = run("bench", "--quick", "--scenario", "B1", "--workdir", tmp_path).stdout
+    assert re.search(r"^B1  prefill append ", text, re.M)
+    assert "1 rows;" in text and "target" in text
+
+
+@pytest.mark.parametrize("args", [["--scenario", "B9"], ["--scenario", "b1", "--scenario", "x"],
+                                  ["--seed", "nope"], ["--workdir", "/no/such/dir"]])
+def test_bench_bad_input_is_one_line_exit_2(args: list[str]) -> None:
+    result = run("bench", "--quick", *args, code=2)
+    assert_one_line_error(result)
+    if args[0] == "--scenario":
+        assert "choose from B1, B2" in result.stderr
+
+
 # -- verify ---------------------------------------------------------------------------
 
 VERIFY_KEYS = {"path", "ok", "damage", "garbage", "unverified", "pages_checked", "resident_pages",
@@ -394,6 +506,10 @@ def test_sample_store_inspects_and_verifies_in_place() -> None:
     assert summary["sequences"] == len(make_sample.SEQUENCES)
     assert summary["pages"]["shared"] > 0 and summary["pages"]["cached"] == 3
     assert summary["model"] == make_sample.MODEL
+    # Committed before writers kept prefix counters: unknown, not zero.
+    assert summary["prefix_cache"]["cached_pages"] == 3 and summary["prefix_cache"]["hit_rate"] is None
+    assert summary["lifetime"] == {"evictions": None, "restores": None, "cache_drops": None}
+    assert "not recorded" in run("inspect", SAMPLE).stdout
     assert file_states(SAMPLE) == before
 
 
