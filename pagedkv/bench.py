@@ -21,6 +21,7 @@ import tempfile
 from typing import Any, Callable, Iterable
 
 from .bench_churn import b4_churn
+from .bench_prefetch import b9_prefetch
 from .bench_data import b1_prefill, b3_read
 from .bench_mem import b8_memory
 from .bench_meta import b2_step, b5_seed, b6_reopen, b7_commit
@@ -41,6 +42,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "B6": ("reopen time at 10k/100k/1M pages", b6_reopen),
     "B7": ("commit after a 256-sequence decode step vs a bare LMDB commit", b7_commit),
     "B8": ("anonymous memory per page of metadata", b8_memory),
+    "B9": ("decode loop over spilled sequences with prefetch one step ahead vs without", b9_prefetch),
 }
 
 

@@ -105,7 +105,10 @@ def probe_in_child(path: str, lock: bool = False, timeout: float = 10.0) -> None
     if pid == 0:  # the child: walk everything the parent's load will touch, then report
         code = 1
         try:
-            os.close(read_end)
+            # Drop every inherited descriptor: one of them carries the writer's flock,
+            # which must die with the parent, not linger in this child.
+            os.closerange(3, write_end)
+            os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
             walk_pages(os.path.join(path, "data.mdb"))
             env = lmdb.open(path, readonly=True, lock=lock, subdir=True, max_dbs=len(DB_NAMES))
             with env.begin(buffers=True) as txn:

@@ -356,7 +356,8 @@ class KVStore:
         self._wait_no_steps("commit()")
         self._commit()
 
-    def _commit(self) -> None:
+    def _commit(self, full_sync: bool = False) -> None:
+        """Commit; ``full_sync`` (at close) makes even a nosync store durable on disk."""
         if self.durability == "volatile":
             return
         # Prefix-cache counters accumulate across sessions, so inspect can show them.
@@ -369,6 +370,10 @@ class KVStore:
                            durability=self.durability)
         persist.commit(self._mgr, self._dirty, self._dropped, self._state,
                        durable=self.durability == "durable")
+        if full_sync and self.durability != "durable":
+            # nosync commits skipped every flush: make all of it durable now.
+            self._pool_file.flush_slots(np.arange(self.pool_pages))
+            self._spill.sync()
         self._stats.add("commits")
 
     @_op(write=False)
@@ -397,7 +402,7 @@ class KVStore:
             try:
                 if not self.readonly and not self._poisoned and os.getpid() == self._pid:
                     self._wait_no_steps("close()")
-                    self._commit()
+                    self._commit(full_sync=True)
                     faults.crashpoint("close.after_commit")
             finally:
                 self._release()
