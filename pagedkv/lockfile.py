@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 from .errors import StoreLocked
 from .files import FILE_MODE, io_error, refuse_symlink
@@ -82,6 +83,19 @@ def _read_pid(fd: int) -> int | None:
         return None
 
 
+_ORPHAN_WAIT = 1.0  # seconds to wait for a dead holder's children to let go
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class WriterLock:
     """An exclusive, non-blocking writer lock; released at once if the holder dies."""
 
@@ -92,13 +106,21 @@ class WriterLock:
             os.fchmod(fd, FILE_MODE)
         except OSError as exc:
             raise io_error(exc, f"cannot open lock file {path}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(fd)
-            os.close(fd)
-            who = f"pid {holder}" if holder else "another handle"
-            raise StoreLocked(f"{os.path.dirname(path) or '.'} is locked by a writer ({who})") from None
+        deadline = time.monotonic() + _ORPHAN_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                # A writer killed while a short-lived child of its own (the open-time
+                # probe) still ran leaves the lock with that child for a moment.
+                if holder and not _alive(holder) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    continue
+                os.close(fd)
+                who = f"pid {holder}" if holder else "another handle"
+                raise StoreLocked(f"{os.path.dirname(path) or '.'} is locked by a writer ({who})") from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
