@@ -14,7 +14,7 @@ from .codec import FORMAT_VERSION
 from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
 from .files import fsync_dir, make_private_dir, refuse_remote
 from .geometry import Geometry
-from .lockfile import WriterLock, lock_holder
+from .lockfile import WriterLock, _alive, lock_holder
 from .persist import read_superblock, rewrite_superblock, write_superblock
 from .pool import MAGIC, PagePool
 from .spill import SpillStore
@@ -139,6 +139,7 @@ def _create(path: str, opts: StoreOptions) -> None:
     parent, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(parent):
         make_private_dir(parent)
+    _remove_abandoned(parent, name)
     temp = os.path.join(parent, f".{name}.creating-{os.getpid()}-{uuidlib.uuid4().hex[:8]}")
     make_private_dir(temp)
     try:
@@ -154,6 +155,15 @@ def _create(path: str, opts: StoreOptions) -> None:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def _remove_abandoned(parent: str, name: str) -> None:
+    """Delete half-built stores of creators that died (their pid is in the name)."""
+    prefix = f".{name}.creating-"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):].split("-", 1)[0] if entry.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def _populate(path: str, geometry: Geometry, pool_pages: int, opts: StoreOptions) -> None:

@@ -97,7 +97,7 @@ class Prefetcher:
 
     def _fetch(self, chunk: list[tuple[int, int, int, int]]) -> list[tuple[Any, ...]]:
         mgr, staged = self._store._mgr, []
-        with self._store._spill.begin_read() as txn:
+        with self._store._spill.background_read() as txn:
             for pid, uid, fill, csum in chunk:
                 started = time.perf_counter()
                 page, nbytes = mgr.fetch_record(txn, uid, fill, csum)

@@ -8,12 +8,14 @@ order is numeric order.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import select
 import signal
 import struct
+import threading
 from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
@@ -232,6 +234,8 @@ class SpillStore:
         self.path = path
         self.readonly = readonly
         self._snapshot: lmdb.Transaction | None = None
+        self._readers = threading.Condition()  # guards _reading against map growth
+        self._reading = 0
         if os.path.islink(path):
             raise PagedKVError(f"{path} is a symbolic link; refused")
         if create:
@@ -296,7 +300,9 @@ class SpillStore:
         size = self.env.info()["map_size"] * 2
         try:
             faults.io("set_mapsize")
-            self.env.set_mapsize(size)
+            with self._readers:  # no other thread may hold a read txn over the old mapping
+                self._readers.wait_for(lambda: not self._reading)
+                self.env.set_mapsize(size)
         except lmdb.Error as exc:
             raise lmdb_error(exc, "cannot grow the spill map") from None
         except OSError as exc:
@@ -319,6 +325,23 @@ class SpillStore:
         except lmdb.ReadersFullError:
             self.env.reader_check()  # slots of killed readers
             return self.env.begin(buffers=True)
+
+    @contextlib.contextmanager
+    def background_read(self) -> Iterator[Any]:
+        """A read transaction for a thread other than the writer's (prefetch).
+
+        Map growth waits until no such reader is open, since resizing remaps the
+        file under every open transaction of this process.
+        """
+        with self._readers:
+            self._reading += 1
+        try:
+            with self.begin_read() as txn:
+                yield txn
+        finally:
+            with self._readers:
+                self._reading -= 1
+                self._readers.notify_all()
 
     def iterate(self, txn: lmdb.Transaction, db: Any, keys_only: bool = False) -> Iterator[Any]:
         """All (key, value) pairs of ``db`` in key order (or keys only)."""

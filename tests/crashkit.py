@@ -15,6 +15,7 @@ tools/crashtest.py.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import lmdb
 import msgpack
 import numpy as np
 
@@ -413,11 +415,22 @@ def judge(path: Path, mode: str, seed: int, history: dict[int, Model], acked: in
     completed without its ack); any other state, a reopen failure, a lost page or a wrong
     byte is a violation. Closes the store (a commit) when it opened.
     """
+    problems: list[str] = []
     try:
         store = pagedkv.open(path, durability=mode)
+    except pagedkv.StoreLocked as exc:
+        # The writer was SIGKILLed and reaped, yet its lock is seen: a reopen failure. Find
+        # out whether it is the kernel releasing the dead holder's flock late (diagnosis only).
+        free_after_ms = _lock_free_after_ms(path / "LOCK")
+        problems.append(f"reopen failed: {exc!r} although that writer is dead and reaped; "
+                        f"the lock was free {free_after_ms:.1f} ms later" if free_after_ms is not None
+                        else f"reopen failed: {exc!r}; the lock was still held 1 s later")
+        try:
+            store = pagedkv.open(path, durability=mode)
+        except Exception as again:  # noqa: BLE001
+            return Verdict("reopen-failed", acked, history[acked], problems + [f"and again: {again!r}"])
     except Exception as exc:  # noqa: BLE001 - any failure to reopen is the finding
         return Verdict("reopen-failed", acked, history[acked], [f"reopen failed: {exc!r}"])
-    problems: list[str] = []
     try:
         shape = {sid: store.length(sid) for sid in store.sequences()}
         number, outcome = acked, "mismatch"
@@ -444,6 +457,24 @@ def judge(path: Path, mode: str, seed: int, history: dict[int, Model], acked: in
         except Exception as exc:  # noqa: BLE001
             problems.append(f"close after verification raised {exc!r}")
     return Verdict(outcome, number, history[number], problems, lost, wrong)
+
+
+def _lock_free_after_ms(lock_path: Path, limit_s: float = 1.0) -> float | None:
+    """Milliseconds until an exclusive flock on ``lock_path`` succeeds (None: not within limit)."""
+    started = time.monotonic()
+    fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        while time.monotonic() - started < limit_s:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(0.0002)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return (time.monotonic() - started) * 1e3
+        return None
+    finally:
+        os.close(fd)
 
 
 # -- results -------------------------------------------------------------------------------
@@ -487,19 +518,19 @@ def save_artifact(result: LoopResult, path: Path, label: str, limit: int = 5) ->
     result.artifacts.append(str(dest))
 
 
-def scratch_root() -> Path | None:
-    """Where crash loops keep their stores: ``PAGEDKV_CRASH_DIR`` if set, else /dev/shm when it
-    is a writable tmpfs (None: use the caller's directory).
+def scratch_root(power_loss: bool) -> Path | None:
+    """Where a loop keeps its stores: ``PAGEDKV_CRASH_DIR`` if set; else, for the simulated
+    power loss (T4) only, /dev/shm when it is a writable tmpfs; else None (the caller's dir).
 
-    A SIGKILL leaves the page cache intact on any filesystem, and T4 simulates power loss from
-    the flush recorder, so no loop needs real syncs: on tmpfs a cycle costs CPU only, not the
-    latency of a shared disk. Set ``PAGEDKV_CRASH_DIR`` to a disk directory to run on one.
+    T4 models durability itself (flush recorder, on-disk LMDB), so it needs no real disk and
+    on tmpfs a cycle costs CPU only. The SIGKILL loops (T2, T3) stay on the caller's (real)
+    filesystem, where the kernel's handling of a killed writer's files is what users get.
     """
     forced = os.environ.get("PAGEDKV_CRASH_DIR")
     if forced:
         return Path(forced)
     shm = Path("/dev/shm")
-    if shm.is_dir() and filesystem_type(str(shm)) == "tmpfs" and os.access(shm, os.W_OK):
+    if power_loss and shm.is_dir() and filesystem_type(str(shm)) == "tmpfs" and os.access(shm, os.W_OK):
         return shm
     return None
 
@@ -551,16 +582,36 @@ def _reuse_pending_slots() -> None:
     BlockManager.take_slots = take_slots  # type: ignore[method-assign]
 
 
+def _slow_helper_processes(delay_ms: float) -> None:
+    """Widen a race window: a helper process the library forks (any process but this one)
+    waits ``delay_ms`` before it opens the LMDB environment.
+
+    Whatever such a helper still holds from its parent at that point (the writer's LOCK
+    descriptor, say) then outlives a SIGKILL of the parent deterministically, not by chance.
+    """
+    writer_pid, real_open = os.getpid(), lmdb.open
+
+    def slow_open(*args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != writer_pid:
+            time.sleep(delay_ms / 1e3)
+        return real_open(*args, **kwargs)
+
+    lmdb.open = slow_open
+
+
 def child_main(wfd: int, path: Path, mode: str, seed: int, model: Model, commit_no: int,
                id_base: int, params: Params, sessions: int, ops_per_session: int,
                crash: tuple[str, int] | None = None, mutation: str | None = None,
-               map_size: int | None = None) -> None:
+               map_size: int | None = None, helper_delay_ms: float = 0.0) -> None:
     """The body of a forked child; never returns. Frames sent on ``wfd``:
     ``["R"]`` store open, ``["I", n, model]`` before commit n, ``["A", n, evictions, restores]``
     after it returned, ``["H", hits]`` at a normal end, ``["E", traceback]`` on an error.
+    ``helper_delay_ms`` makes a helper process the library forks linger that long.
     """
     code = 0
     try:
+        if helper_delay_ms:
+            _slow_helper_processes(helper_delay_ms)
         if crash is not None:
             os.environ["PAGEDKV_CRASHPOINT"] = f"{crash[0]}:{crash[1]}"
             faults._load_crashpoint()
@@ -669,13 +720,18 @@ def run_child(body: Callable[[int], None], kill_after_ms: float | None = None,
 
 
 def sigkill_loop(path: Path, mode: str, cycles: int, seed: int, *, geom: pagedkv.Geometry = GEOM_SMALL,
-                 pool_pages: int = 12, kill_max_ms: float = 50.0, params: Params | None = None,
-                 mutation: str | None = None, name: str | None = None, stop_after_lost: bool = False,
+                 pool_pages: int = 12, kill_min_ms: float = 1.0, kill_max_ms: float = 50.0,
+                 time_share: float = 0.4,
+                 params: Params | None = None,
+                 mutation: str | None = None, helper_delay_ms: float = 0.0, name: str | None = None,
+                 stop_after_lost: bool = False,
                  artifact_root: Path | None = None,
                  progress: Callable[[LoopResult], None] | None = None) -> LoopResult:
     """T2: fork a child that opens the store and runs the random workload, acking every
     returned commit; SIGKILL it at a random moment; reopen and judge. The next child continues
     from the reopened store. The parent never holds the store open across ``fork``.
+    A share ``time_share`` of the kills land U(``kill_min_ms``, ``kill_max_ms``) ms after the fork, the
+    others a little after a random frame (a random point of the commit stream).
     """
     assert faults._crash_name is None, "PAGEDKV_CRASHPOINT is set in the test process"
     params = params or Params()
@@ -692,11 +748,12 @@ def sigkill_loop(path: Path, mode: str, cycles: int, seed: int, *, geom: pagedkv
 
         def body(wfd: int) -> None:
             child_main(wfd, path, mode, seed, model, commit_no, id_base, params, sessions=1,
-                       ops_per_session=20000, mutation=mutation, map_size=map_size)
+                       ops_per_session=20000, mutation=mutation, map_size=map_size,
+                       helper_delay_ms=helper_delay_ms)
 
-        if rng.random() < 0.4:  # a random moment: U(1, kill_max_ms) after the fork
+        if rng.random() < time_share:  # a random moment after the fork
             result.figures["kill_by_time"] += 1
-            run = run_child(body, kill_after_ms=rng.uniform(1.0, kill_max_ms))
+            run = run_child(body, kill_after_ms=rng.uniform(kill_min_ms, kill_max_ms))
         else:  # a random point in the commit stream, a little later
             result.figures["kill_by_frames"] += 1
             run = run_child(body, kill_after_frames=rng.randint(1, 14), extra_ms=rng.uniform(0.0, 3.0),
@@ -721,6 +778,7 @@ def sigkill_loop(path: Path, mode: str, cycles: int, seed: int, *, geom: pagedkv
             problems.append(f"child ended without SIGKILL (status {run.status})")
         verdict = judge(path, mode, seed, history, acked)
         result.figures["state_" + verdict.outcome] += 1
+        result.figures["reopen_locked"] += any("StoreLocked" in p for p in verdict.problems)
         result.figures["lost_pages"] += verdict.lost_pages
         result.figures["wrong_tokens"] += verdict.wrong_tokens
         problems += verdict.problems
@@ -822,6 +880,7 @@ def _regular_point(path: Path, base: Path, base_model: Model, mode: str, seed: i
             history[frame[1]] = model_from_wire(frame[2])
     verdict = judge(path, mode, seed, history, run.acked(0))
     result.figures["state_" + verdict.outcome] += 1
+    result.figures["reopen_locked"] += any("StoreLocked" in p for p in verdict.problems)
     problems += verdict.problems
     if problems:
         save_artifact(result, path, f"{point}-{k}")

@@ -1,9 +1,11 @@
 """Crash safety (RELIABILITY.md T2, T3, T4): SIGKILL loops, named crash points, power loss.
 
 The machinery lives in crashkit.py (shared with tools/crashtest.py). Every randomised test
-prints its seed (``PAGEDKV_SEED=<n>`` replays it). Stores live on /dev/shm when it is a tmpfs
-(``PAGEDKV_CRASH_DIR`` picks another place, e.g. a disk); a failing cycle's store directory is
-copied under ``PAGEDKV_ARTIFACTS`` (default: the test's ``tmp_path/artifacts``). Soak sizes: ``PAGEDKV_SOAK=1 pytest -m soak tests/test_crash.py`` (``PAGEDKV_SOAK_CYCLES``
+prints its seed (``PAGEDKV_SEED=<n>`` replays it). SIGKILL loops keep their stores in the test's
+tmp_path (a real filesystem), power-loss loops on /dev/shm when it is a tmpfs (they simulate
+durability themselves); ``PAGEDKV_CRASH_DIR`` overrides both. A failing cycle's store directory
+is copied under ``PAGEDKV_ARTIFACTS`` (default: the test's ``tmp_path/artifacts``).
+Soak sizes: ``PAGEDKV_SOAK=1 pytest -m soak tests/test_crash.py`` (``PAGEDKV_SOAK_CYCLES``
 overrides the cycle counts); longer runs with figures: ``python tools/crashtest.py``.
 """
 
@@ -51,8 +53,18 @@ def _clean_seams():
 
 @pytest.fixture
 def scratch(tmp_path: Path):
-    """A directory for the loop's stores: tmpfs when available (see crashkit.scratch_root)."""
-    root = crashkit.scratch_root()
+    """The directory of a power-loss loop's stores: tmpfs when available (crashkit.scratch_root)."""
+    yield from _scratch(tmp_path, power_loss=True)
+
+
+@pytest.fixture
+def killdir(tmp_path: Path):
+    """The directory of a SIGKILL loop's stores: the test's tmp_path unless PAGEDKV_CRASH_DIR."""
+    yield from _scratch(tmp_path, power_loss=False)
+
+
+def _scratch(tmp_path: Path, power_loss: bool):
+    root = crashkit.scratch_root(power_loss)
     if root is None:
         yield tmp_path
         return
@@ -84,23 +96,38 @@ def check_sigkill_result(result: crashkit.LoopResult, cycles: int) -> None:
     assert figures["killed_before_open"] > 0 and figures["state_acked+1"] > 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["durable", "nosync"])
-def test_t2_sigkill_loop(tmp_path: Path, scratch: Path, mode: str) -> None:
+def test_t2_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
     """>= 1000 SIGKILLs per mode at random moments: 0 wrong bytes, 0 lost pages, 0 lost acked
     commits, 0 reopen failures; the state is the last acked commit or the one after it."""
     seed = crashkit.resolve_seed(f"T2 {mode}")
-    result = crashkit.sigkill_loop(scratch / "store", mode, T2_CYCLES, seed,
+    result = crashkit.sigkill_loop(killdir / "store", mode, T2_CYCLES, seed,
                                    artifact_root=tmp_path / "artifacts")
     check_sigkill_result(result, T2_CYCLES)
 
 
 @pytest.mark.timeout(120)
-def test_t2_mutation_slot_reuse_before_commit_is_caught(tmp_path: Path, scratch: Path) -> None:
+def test_t2_reopen_right_after_a_kill_during_open(tmp_path: Path, killdir: Path) -> None:
+    """A writer killed inside ``open()`` is dead and reaped: reopening at once must find the
+    lock free. A helper process the library forks meanwhile is made to wait 300 ms before it
+    opens LMDB, so one still holding the writer's LOCK descriptor would keep the dead writer's
+    lock (without the delay the T2 loops above hit that by chance in ~1-2 % of cycles)."""
+    seed = crashkit.resolve_seed("T2 kill during open")
+    result = crashkit.sigkill_loop(killdir / "store", "durable", 20, seed, kill_min_ms=20.0,
+                                   kill_max_ms=120.0, time_share=1.0, helper_delay_ms=300.0,
+                                   name="T2-kill-in-open", artifact_root=tmp_path / "artifacts")
+    assert result.figures["killed_before_open"] >= 10
+    assert result.figures["reopen_locked"] == 0, result.summary()
+    assert_clean(result)
+
+
+@pytest.mark.timeout(120)
+def test_t2_mutation_slot_reuse_before_commit_is_caught(tmp_path: Path, killdir: Path) -> None:
     """The T2 oracle catches a P2 violation: with pending-free slots handed out before the
     freeing commit, a kill before that commit must surface as lost committed pages."""
     seed = crashkit.resolve_seed("T2 mutation")
-    result = crashkit.sigkill_loop(scratch / "store", "nosync", 400, seed, mutation="reuse-pending",
+    result = crashkit.sigkill_loop(killdir / "store", "nosync", 400, seed, mutation="reuse-pending",
                                    name="T2-mutation", stop_after_lost=True,
                                    artifact_root=tmp_path / "artifacts")
     print(result.summary())
@@ -129,13 +156,14 @@ def check_points_result(result: crashkit.LoopResult, hits: range) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["durable", "nosync"])
-def test_t3_crash_points(tmp_path: Path, scratch: Path, mode: str) -> None:
+def test_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
     """Every named point x hits 1..5: the child dies by SIGKILL at the k-th hit (or ends
     normally having passed it fewer times); reopen = last acked commit or the next, 0
     violations. Create points: no half-created store, ever."""
     seed = crashkit.resolve_seed(f"T3 {mode}")
     hits = range(1, 6)
-    result = crashkit.crashpoint_run(scratch, mode, seed, POINTS, hits, artifact_root=tmp_path / "artifacts")
+    result = crashkit.crashpoint_run(killdir, mode, seed, POINTS, hits,
+                                     artifact_root=tmp_path / "artifacts")
     check_points_result(result, hits)
     # With this workload every point is passed at least five times, so all 75 runs kill.
     assert sum(result.figures[f"fired:{p}"] for p in POINTS) == len(POINTS) * len(hits)
@@ -287,10 +315,10 @@ def test_t4_mutation_missing_flush_is_caught(tmp_path: Path, scratch: Path,
 @pytest.mark.soak
 @only_in_soak
 @pytest.mark.timeout(0)
-def test_soak_t2_sigkill_loop(tmp_path: Path, scratch: Path, mode: str) -> None:
+def test_soak_t2_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
     seed = crashkit.resolve_seed(f"T2 soak {mode}")
     cycles = soak_cycles(100_000)
-    result = crashkit.sigkill_loop(scratch / "store", mode, cycles, seed,
+    result = crashkit.sigkill_loop(killdir / "store", mode, cycles, seed,
                                    artifact_root=tmp_path / "artifacts")
     check_sigkill_result(result, cycles)
 
@@ -299,10 +327,10 @@ def test_soak_t2_sigkill_loop(tmp_path: Path, scratch: Path, mode: str) -> None:
 @pytest.mark.soak
 @only_in_soak
 @pytest.mark.timeout(0)
-def test_soak_t3_crash_points(tmp_path: Path, scratch: Path, mode: str) -> None:
+def test_soak_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
     seed = crashkit.resolve_seed(f"T3 soak {mode}")
     hits = range(1, 51)
-    result = crashkit.crashpoint_run(scratch, mode, seed, POINTS, hits, sessions=12, ops_per_session=40,
+    result = crashkit.crashpoint_run(killdir, mode, seed, POINTS, hits, sessions=12, ops_per_session=40,
                                      artifact_root=tmp_path / "artifacts")
     check_points_result(result, hits)
 
