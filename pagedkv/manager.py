@@ -303,29 +303,29 @@ class BlockManager:
             for start in range(0, len(order), chunk):
                 part = order[start:start + chunk]
                 slots = self.take_slots(len(part))
-                unplaced = list(slots)
+                used: set[int] = set()  # slots placed, or handed back after a corrupt page
                 try:
-                    txn = self.spill.begin_read()
+                    with self.spill.begin_read() as txn:
+                        for pid, slot in zip(part, slots):
+                            started = time.perf_counter()
+                            try:
+                                self._restore_one(txn, pid, slot)
+                            except PageCorrupt as exc:
+                                used.add(slot)
+                                self.free_slots.append(slot)
+                                self.corrupt[pid] = True
+                                self.stats.add("misses")
+                                bad = bad or exc
+                                continue
+                            used.add(slot)
+                            self.pins[slot] += 1
+                            held.append(slot)
+                            self.stats.add("restores")
+                            self.stats.add("spill_hits")
+                            self.stats.restore_latency(time.perf_counter() - started)
                 except BaseException:
-                    self.free_slots.extend(unplaced)
+                    self.free_slots.extend(slot for slot in slots if slot not in used)
                     raise
-                with txn:
-                    for pid, slot in zip(part, slots):
-                        unplaced.remove(slot)
-                        started = time.perf_counter()
-                        try:
-                            self._restore_one(txn, pid, slot)
-                        except PageCorrupt as exc:
-                            self.free_slots.append(slot)
-                            self.corrupt[pid] = True
-                            self.stats.add("misses")
-                            bad = bad or exc
-                            continue
-                        self.pins[slot] += 1
-                        held.append(slot)
-                        self.stats.add("restores")
-                        self.stats.add("spill_hits")
-                        self.stats.restore_latency(time.perf_counter() - started)
         finally:
             np.subtract.at(self.pins, np.asarray(held, np.int64), 1)
         if bad is not None:

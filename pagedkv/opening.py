@@ -160,7 +160,11 @@ def _create(path: str, opts: StoreOptions) -> None:
 def _remove_abandoned(parent: str, name: str) -> None:
     """Delete half-built stores of creators that died (their pid is in the name)."""
     prefix = f".{name}.creating-"
-    for entry in os.listdir(parent):
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return  # creation itself reports what is wrong with the parent
+    for entry in entries:
         pid = entry[len(prefix):].split("-", 1)[0] if entry.startswith(prefix) else ""
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)

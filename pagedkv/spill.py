@@ -236,6 +236,7 @@ class SpillStore:
         self._snapshot: lmdb.Transaction | None = None
         self._readers = threading.Condition()  # guards _reading against map growth
         self._reading = 0
+        self._writing = threading.Lock()  # one write transaction at a time across threads
         if os.path.islink(path):
             raise PagedKVError(f"{path} is a symbolic link; refused")
         if create:
@@ -283,13 +284,14 @@ class SpillStore:
         """
         for _ in range(_MAX_GROWTHS):
             try:
-                with self.env.begin(write=True) as txn:
+                with self._writing, self.env.begin(write=True) as txn:
                     result = body(txn)
                     faults.io("commit")
                     faults.crashpoint("lmdb.before_commit")
                 return result
             except lmdb.MapFullError:
-                self._grow()
+                with self._writing:
+                    self._grow()
             except lmdb.Error as exc:
                 raise lmdb_error(exc, what) from None
             except OSError as exc:  # raised by an injected fault inside the transaction
@@ -320,23 +322,24 @@ class SpillStore:
         """
         if self._snapshot is not None:
             return _Borrowed(self._snapshot)
-        try:
-            return self.env.begin(buffers=True)
-        except lmdb.ReadersFullError:
-            self.env.reader_check()  # slots of killed readers
-            return self.env.begin(buffers=True)
+        return self.background_read()
 
     @contextlib.contextmanager
     def background_read(self) -> Iterator[Any]:
-        """A read transaction for a thread other than the writer's (prefetch).
+        """A read transaction, counted so that map growth waits until none is open.
 
-        Map growth waits until no such reader is open, since resizing remaps the
-        file under every open transaction of this process.
+        Resizing remaps the file under every open transaction of this process, and
+        background threads (prefetch, write-behind) read and write beside each other.
         """
         with self._readers:
             self._reading += 1
         try:
-            with self.begin_read() as txn:
+            try:
+                txn = self.env.begin(buffers=True)
+            except lmdb.ReadersFullError:
+                self.env.reader_check()  # slots of killed readers
+                txn = self.env.begin(buffers=True)
+            with txn:
                 yield txn
         finally:
             with self._readers:
