@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 def check_store(store: KVStore) -> list[str]:
     """Every problem found, as one line each; [] when the store is consistent."""
     mgr = store._mgr
+    if mgr.wait_background is not None:
+        mgr.wait_background()  # a write-behind batch in flight holds slots back
     problems: list[str] = []
     live = np.flatnonzero(mgr.live)
     refs = np.zeros(len(mgr.live), np.int64)

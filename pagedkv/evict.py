@@ -44,6 +44,8 @@ def evict(mgr: BlockManager, count: int, need: int | None = None) -> int:
     Under a spill cap a full batch may not fit where the ``need`` slots the
     caller must have still do: then only those are evicted.
     """
+    if mgr.wait_background is not None:
+        mgr.wait_background()
     if need is None or need >= count or mgr.spill_limit is None:
         return _evict(mgr, count, strict=False)
     try:  # a whole batch only if it fits under the cap; else just what is needed
@@ -132,8 +134,9 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
 
 def _choose(mgr: BlockManager, count: int) -> list[int]:
     """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
-    reclaim = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0) & (mgr.pins == 0))
-    live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0))
+    idle = (mgr.pins == 0) & (mgr.bg_pins == 0)
+    reclaim = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0) & idle)
+    live = np.flatnonzero((mgr.slot_pid >= 0) & idle)
     if len(live) > count:
         live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
     live = live[np.argsort(mgr.stamp[live], kind="stable")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -70,6 +71,11 @@ class BlockManager:
         self.spill_bytes = 0  # bytes of page records in LMDB
         self.spill_limit = spill_limit
         self.spill_codec = spill_codec
+        self.on_take: Callable[[], None] | None = None  # write-behind's low-water check
+        # Write-behind's batch in flight: its pins, and a wait for it to land. Every
+        # foreground LMDB write waits first, so no commit falls between its steps.
+        self.bg_pins = np.zeros(self.pool_pages, np.int32)
+        self.wait_background: Callable[[], None] | None = None
 
     # -- directory columns -------------------------------------------------
     _COLUMNS = {
@@ -83,6 +89,7 @@ class BlockManager:
         "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
         "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
         "parent": (np.uint64, 0),  # uid of the page a hashed page follows (0: first page)
+        "gen": (np.uint32, 0),  # bumped on every write, so background work can tell
     }
 
     def _grow(self, capacity: int) -> None:
@@ -150,6 +157,7 @@ class BlockManager:
     def mark_written(self, pid: int, fill: int) -> None:
         """Record that ``pid``'s bytes changed and now hold ``fill`` tokens."""
         self.fill[pid] = fill
+        self.gen[pid] += 1
         self.csum_ok[pid] = False
         if self.rec[pid] == REC_CURRENT:
             self.rec[pid] = REC_STALE
@@ -159,6 +167,7 @@ class BlockManager:
     def mark_written_many(self, pids: np.ndarray, fills: np.ndarray) -> None:
         """``mark_written`` for many distinct resident pages at once."""
         self.fill[pids] = fills
+        self.gen[pids] += 1
         self.csum_ok[pids] = False
         rec = self.rec[pids]
         self.rec[pids] = np.where(rec == REC_CURRENT, REC_STALE, rec)
@@ -182,7 +191,8 @@ class BlockManager:
         if slot >= 0:
             self.slot_pid[slot] = -1
             self.slot[pid] = -1
-            if self.slot_cpid[slot] < 0:
+            # A slot write-behind is reading from is handed back when its batch lands.
+            if self.slot_cpid[slot] < 0 and self.bg_pins[slot] == 0:
                 self.free_slots.append(slot)
         self.chg[pid] = False
         self.page_tokens.pop(pid, None)
@@ -199,11 +209,14 @@ class BlockManager:
         """``count`` free slots, evicting least-recently-used pages in batches as needed."""
         while len(self.free_slots) < count:
             need = count - len(self.free_slots)
-            if not self.evict(max(need, self.evict_batch), need):
+            if not self.evict(max(need, self.evict_batch), need) and len(self.free_slots) < count:
                 raise PoolExhausted(
                     f"need {count} free slots, {len(self.free_slots)} free and every other slot pinned"
                 )
-        return [self.free_slots.pop() for _ in range(count)]
+        taken = [self.free_slots.pop() for _ in range(count)]
+        if self.on_take is not None:
+            self.on_take()
+        return taken
 
     def touch(self, slots: np.ndarray) -> None:
         """Mark ``slots`` as used now (one tick for the whole call)."""

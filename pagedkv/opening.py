@@ -60,7 +60,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                readonly: bool = False, evict_batch: int = 64, map_size: int | None = None,
                allow_remote: bool = False, model: str | None = None,
                allow_model_change: bool = False, spill_limit_bytes: int | None = None,
-               spill_codec: str = "raw") -> KVStore:
+               spill_codec: str = "raw", write_behind: bool | None = None) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -78,6 +78,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             cache-only pages are dropped to stay under it, else ``StoreFull``.
         spill_codec: how pages are encoded when spilled: "raw" (bit-exact), "int8"
             (lossy: within half a quantisation step), or "zstd" (lossless, smaller).
+        write_behind: spill in a background thread ahead of need, so appends and steps
+            wait for spill I/O only when no slot is free (default: ``PAGEDKV_WRITE_BEHIND=1``).
     Raises:
         StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, PagedKVError.
     """
@@ -97,8 +99,10 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError("spill_limit_bytes must be a positive int")
     if spill_codec not in CODECS:
         raise PagedKVError(f"spill_codec must be one of {CODECS}, got {spill_codec!r}")
+    if write_behind is None:
+        write_behind = os.environ.get("PAGEDKV_WRITE_BEHIND", "") == "1"
     opts = StoreOptions(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
-                        allow_model_change, spill_limit_bytes, spill_codec)
+                        allow_model_change, spill_limit_bytes, spill_codec, bool(write_behind))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise PagedKVError(f"{path} exists and is not a directory")
     if os.path.islink(path):

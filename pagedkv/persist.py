@@ -142,7 +142,8 @@ def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.n
     for pid in zombies.tolist():
         mgr._recycle(pid)
     mgr.c_ref[:] = mgr.ref
-    mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0))[::-1].tolist()
+    mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0)
+                                    & (mgr.bg_pins == 0))[::-1].tolist()
     mgr.chg[:] = False
     mgr.dirty_slot[:] = False
     mgr.zombies = []

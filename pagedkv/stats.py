@@ -8,7 +8,7 @@ COUNTERS = (
     "resident_hits", "spill_hits", "misses", "evictions", "restores", "bytes_spilled",
     "bytes_restored", "evict_batches", "commits", "tokens_appended", "tokens_read", "steps",
     "pages_allocated", "cow_copies", "cache_drops", "prefix_queries", "prefix_query_tokens",
-    "prefix_hit_tokens", "prefix_hit_pages", "prefetch_restores",
+    "prefix_hit_tokens", "prefix_hit_pages", "prefetch_restores", "background_evictions",
 )
 
 

@@ -21,6 +21,7 @@ from .lockfile import lock_holder
 from .manager import BlockManager
 from .pool import PagePool
 from .prefetch import Prefetch, Prefetcher
+from .writebehind import WriteBehind
 from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
@@ -76,6 +77,7 @@ class StoreOptions:
     allow_model_change: bool = False
     spill_limit: int | None = None
     spill_codec: str = "raw"
+    write_behind: bool = False
 
 
 class KVStore:
@@ -97,6 +99,9 @@ class KVStore:
         self._stats = Stats()
         self._counted: dict[str, int] = {}  # counter values already added to the state record
         self._prefetcher = Prefetcher(self)
+        # Write-behind does not plan around a spill cap, so a capped store spills in the foreground.
+        self._write_behind = (WriteBehind(self) if options.write_behind and not options.readonly
+                              and options.spill_limit is None else None)
         self._options = options
         self._mgr = self._new_manager()
         self.model: str | None = superblock.get("model")
@@ -111,6 +116,8 @@ class KVStore:
         self._pid = os.getpid()
         tables, self._state = self._load(writer=not readonly)
         self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
+        if self._write_behind is not None:
+            self._write_behind.attach()
 
     def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
         try:
@@ -360,6 +367,8 @@ class KVStore:
         """Commit; ``full_sync`` (at close) makes even a nosync store durable on disk."""
         if self.durability == "volatile":
             return
+        if self._mgr.wait_background is not None:
+            self._mgr.wait_background()
         # Prefix-cache counters accumulate across sessions, so inspect can show them.
         counts = self._stats.counts
         for name in PERSISTED_COUNTERS:
@@ -393,7 +402,7 @@ class KVStore:
         """Commit (unless read-only, volatile or poisoned), then release every resource."""
         if self._active_steps.get(threading.get_ident()):
             raise SequenceBusy("close() inside an active step of this thread")
-        self._prefetcher.stop()
+        self._stop_threads()
         with self._lock:
             if self._closed:
                 return
@@ -409,9 +418,15 @@ class KVStore:
 
     def _abandon(self) -> None:
         """Drop the handle without committing: an in-process crash, for tests."""
-        self._prefetcher.stop()
+        self._stop_threads()
         with self._lock:
             self._release()
+
+    def _stop_threads(self) -> None:
+        """End the background threads; they take the store lock, so call this without it."""
+        self._prefetcher.stop()
+        if self._write_behind is not None:
+            self._write_behind.stop()
 
     def _release(self) -> None:
         self._closed = True
