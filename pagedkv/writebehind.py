@@ -68,19 +68,25 @@ class WriteBehind:
         """
         if self.in_flight:
             self._txn_done.wait()
-            self._finish()
+            error = self._finish()
+            if error is not None:
+                raise error  # the foreground op fails as if it had done the I/O itself
 
-    def _finish(self) -> None:
+    def _finish(self) -> BaseException | None:
         """Apply (or, after a failure, unpin) the batch once; under the store lock."""
         state, self._state = self._state, None
         if state is None:
-            return
+            return None
         victims, written, error = state
         if error is not None or self._store._closed:
             np.subtract.at(self._store._mgr.bg_pins, [v["slot"] for v in victims], 1)
+            if error is not None:  # poisoned like a failed foreground write
+                self.error = error
+                self._store._poisoned = f"write-behind: {error}"
         else:
             self._apply(victims, written)
         self.in_flight = False
+        return error
 
     def stop(self) -> None:
         """End the thread after its current batch (call without the store lock)."""

@@ -1166,6 +1166,10 @@ def _power_cycle(store: pagedkv.KVStore, rig: PowerLossRig, committed: Model, co
         result.figures["crash_after_close" if kind == "close" else "crash_between_ops"] += 1
     except SimulatedCrash:
         result.figures["crash_inside_op"] += 1
+    except pagedkv.StoreClosed as exc:
+        if "write-behind" not in str(exc):  # the crash fired in the background evictor
+            problems.append(f"workload raised {exc!r}")
+        result.figures["crash_inside_op"] += 1
     except Exception as exc:  # noqa: BLE001 - a failure of the live process is a finding too
         problems.append(f"workload raised {exc!r}")
     finally:
