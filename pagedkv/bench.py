@@ -1,4 +1,4 @@
-"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8.
+"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8 of PERFORMANCE.md and B9 (prefetch).
 
 Every figure with a reference is a ratio measured in one process, interleaved
 with its reference (A B A B ..., median of the per-pair ratios), because absolute
@@ -65,7 +65,7 @@ def run(scenarios: list[str] | None = None, quick: bool = False, seed: int = 0, 
     """Run the scenarios (all when None) and return their rows.
 
     Params:
-        scenarios: ids such as ["B1", "B4"]; None runs B1-B8.
+        scenarios: ids such as ["B1", "B4"]; None runs all (B1-B9).
         quick: small sizes for CI (the whole suite in well under a minute).
         seed: seeds every random choice (contents, prompt lengths, access orders).
         workdir: parent directory of the temporary stores (default: the system

@@ -92,8 +92,8 @@ def test_rows_are_json_and_render(rows: list[dict[str, Any]]) -> None:
 
 
 def test_unknown_scenario_is_refused() -> None:
-    with pytest.raises(pagedkv.PagedKVError, match="B9"):
-        run(["B9"], quick=True)
+    with pytest.raises(pagedkv.PagedKVError, match="B99"):
+        run(["B99"], quick=True)
 
 
 def test_tool_prints_json(tmp_path: Path) -> None:
