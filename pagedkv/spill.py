@@ -151,6 +151,16 @@ _P_INVALID = (1 << 64) - 1
 _U16x4 = struct.Struct("<HHHH")
 
 
+_MDB_INTEGERKEY = 0x08
+
+
+def _check_db_record(raw: mmap.mmap, at: int, flags: int) -> None:
+    """An MDB_db record: its flags must be the expected ones and its depth plausible."""
+    db_flags, depth = struct.unpack_from("<HH", raw, at + 4)
+    if db_flags != flags or depth > 64:
+        raise ValueError(f"database record at {at} has flags {db_flags:#x}, depth {depth}")
+
+
 def walk_pages(path: str) -> None:
     """Check the header of every branch and leaf page reachable from the newest meta page.
 
@@ -167,6 +177,10 @@ def walk_pages(path: str) -> None:
                  if struct.unpack_from("<I", raw, base + 16)[0] == _META_MAGIC]
         _, last_page, base = max(metas)  # (txnid, last page, offset) of the newest meta
         last_page = min(last_page, len(raw) // psize - 1)  # reachable pages must exist
+        # The free list is keyed by integer txn ids and no database of ours sets flags:
+        # other flags would send LMDB down dupsort paths that assert on this data.
+        for offset, expected in ((40, _MDB_INTEGERKEY), (88, 0)):
+            _check_db_record(raw, base + offset, expected)
         roots = [struct.unpack_from("<Q", raw, base + offset)[0] for offset in (80, 128)]
         stack = [root for root in roots if root != _P_INVALID]
         seen: set[int] = set()
@@ -182,7 +196,7 @@ def walk_pages(path: str) -> None:
 
 def _page_children(raw: mmap.mmap, start: int, psize: int, last_page: int) -> list[int]:
     flags, lower, upper = struct.unpack_from("<HHH", raw, start + 10)
-    kind = flags & (_P_BRANCH | _P_LEAF | 0x04 | 0x20)
+    kind = flags  # a tree page on disk is exactly a branch or a leaf: no loose/keep/dup bits
     if kind not in (_P_BRANCH, _P_LEAF) or not 16 <= lower <= upper <= psize or lower % 2:
         raise ValueError(f"page at {start} has a bad header")
     children = []
@@ -205,6 +219,7 @@ def _page_children(raw: mmap.mmap, start: int, psize: int, last_page: int) -> li
         elif node_flags & _F_SUBDATA:
             if body + 48 > psize or size != 48:
                 raise ValueError(f"sub-database record of page at {start} is malformed")
+            _check_db_record(raw, start + body, 0)
             root = struct.unpack_from("<Q", raw, start + body + 40)[0]
             if root != _P_INVALID:
                 children.append(root)
