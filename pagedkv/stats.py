@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 COUNTERS = (
@@ -37,3 +39,34 @@ class Stats:
         out["restore_ms_p50"] = float(np.percentile(lat, 50)) if len(lat) else 0.0
         out["restore_ms_p99"] = float(np.percentile(lat, 99)) if len(lat) else 0.0
         return out
+
+
+def store_stats(store: Any) -> dict[str, float]:
+    """``KVStore.stats()``: counters, restore latency (ms), pool occupancy, per-codec spill figures."""
+    from .spillcodecs import CODECS
+
+    mgr = store._mgr
+    out = store._stats.snapshot()
+    out.update(
+        pool_pages=store.pool_pages, pool_used=int(np.count_nonzero(mgr.slot_pid >= 0)),
+        pool_free=len(mgr.free_slots),
+        pool_pending=int(np.count_nonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0))),
+        pool_pinned=int(np.count_nonzero(mgr.pins)),
+        spilled_pages=int(np.count_nonzero(mgr.live & (mgr.slot < 0))),
+        pages=int(np.count_nonzero(mgr.live)), sequences=len(store._seqs),
+        tokens=sum(seq.length for seq in store._seqs.values()),
+        shared_pages=int(np.count_nonzero(mgr.live & (mgr.ref > 1))),
+        cached_pages=int(np.count_nonzero(mgr.live & (mgr.ref == 0))),
+        spill_bytes=mgr.spill_bytes,
+        prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
+                         if out["prefix_query_tokens"] else 0.0),
+    )
+    stored = np.flatnonzero(mgr.live & (mgr.rec != 0))
+    pages = np.bincount(mgr.codec[stored], minlength=len(CODECS))
+    nbytes = np.bincount(mgr.codec[stored], weights=mgr.rec_bytes[stored], minlength=len(CODECS))
+    for index, name in enumerate(CODECS):
+        out[f"codec_{name}_pages"] = int(pages[index])
+        out[f"codec_{name}_bytes"] = int(nbytes[index])
+        out[f"codec_{name}_ratio"] = (float(pages[index] * store.geometry.page_nbytes / nbytes[index])
+                                      if nbytes[index] else 0.0)
+    return out

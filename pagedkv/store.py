@@ -6,16 +6,15 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping
 
 import lmdb
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
 from .check import check_store
-from .errors import (PageCorrupt, PagedKVError, StoreCorrupt, ReadOnlyStore, SequenceBusy, SequenceExists,
-                     SequenceNotFound, StoreClosed, StoreFull, StoreIOError)
+from .errors import (PageCorrupt, PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists,
+                     SequenceNotFound, StoreClosed, StoreCorrupt)
 from .geometry import Geometry
 from .lockfile import lock_holder
 from .manager import BlockManager
@@ -25,59 +24,12 @@ from .writebehind import WriteBehind
 from .prefix import as_token_ids, make_salt
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
-from .spillcodecs import CODECS
-from .stats import Stats
+from .stats import Stats, store_stats
 from .step import Step
+from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
 
-F = TypeVar("F", bound=Callable[..., Any])
-DURABILITY = ("durable", "nosync", "volatile")
-# Counters the commit adds to the persistent state record (cumulative over sessions).
-PERSISTED_COUNTERS = ("prefix_queries", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_pages",
-                      "evictions", "restores", "cache_drops")
+__all__ = ["KVStore", "StoreOptions", "DURABILITY"]
 
-
-def _op(write: bool) -> Callable[[F], F]:
-    """Serialise a public operation on the store lock and check the handle is usable."""
-
-    def wrap(fn: F) -> F:
-        def inner(self: KVStore, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self._usable(write)
-                try:
-                    return fn(self, *args, **kwargs)
-                except lmdb.Error as exc:
-                    error = lmdb_error(exc, fn.__name__)
-                    if not self.readonly:
-                        self._poisoned = str(error)
-                    raise error from None
-                except (StoreIOError, StoreFull) as exc:
-                    # Reads evict and restore too: any failed I/O leaves memory ahead of
-                    # (or behind) disk, so the handle stops; the last commit is intact.
-                    if not self.readonly and not getattr(exc, "recoverable", False):
-                        self._poisoned = str(exc)
-                    raise
-
-        inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore
-        return inner  # type: ignore[return-value]
-
-    return wrap
-
-
-@dataclass
-class StoreOptions:
-    """How a store is opened (see ``pagedkv.open`` for each field's meaning)."""
-
-    geometry: Geometry | None = None
-    pool_pages: int | None = None
-    durability: str = "durable"
-    readonly: bool = False
-    evict_batch: int = 64
-    map_size: int | None = None
-    model: str | None = None
-    allow_model_change: bool = False
-    spill_limit: int | None = None
-    spill_codec: str = "raw"
-    write_behind: bool = False
 
 
 class KVStore:
@@ -450,32 +402,8 @@ class KVStore:
     # -- observability -------------------------------------------------------
     @_op(write=False)
     def stats(self) -> dict[str, float]:
-        """A flat dict of counters, restore latency (ms) and pool occupancy."""
-        mgr = self._mgr
-        out = self._stats.snapshot()
-        used = int(np.count_nonzero(mgr.slot_pid >= 0))
-        out.update(
-            pool_pages=self.pool_pages, pool_used=used, pool_free=len(mgr.free_slots),
-            pool_pending=int(np.count_nonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0))),
-            pool_pinned=int(np.count_nonzero(mgr.pins)),
-            spilled_pages=int(np.count_nonzero(mgr.live & (mgr.slot < 0))),
-            pages=int(np.count_nonzero(mgr.live)), sequences=len(self._seqs),
-            tokens=sum(seq.length for seq in self._seqs.values()),
-            shared_pages=int(np.count_nonzero(mgr.live & (mgr.ref > 1))),
-            cached_pages=int(np.count_nonzero(mgr.live & (mgr.ref == 0))),
-            spill_bytes=mgr.spill_bytes,
-            prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
-                             if out["prefix_query_tokens"] else 0.0),
-        )
-        stored = np.flatnonzero(mgr.live & (mgr.rec != 0))
-        pages = np.bincount(mgr.codec[stored], minlength=len(CODECS))
-        nbytes = np.bincount(mgr.codec[stored], weights=mgr.rec_bytes[stored], minlength=len(CODECS))
-        for index, name in enumerate(CODECS):
-            out[f"codec_{name}_pages"] = int(pages[index])
-            out[f"codec_{name}_bytes"] = int(nbytes[index])
-            out[f"codec_{name}_ratio"] = (float(pages[index] * self.geometry.page_nbytes / nbytes[index])
-                                          if nbytes[index] else 0.0)
-        return out
+        """A flat dict of counters, restore latency (ms), pool occupancy and per-codec spill figures."""
+        return store_stats(self)
 
     @_op(write=False)
     def check(self) -> list[str]:
