@@ -99,6 +99,8 @@ class BlockManager:
             if old:
                 column[:old] = getattr(self, name)
             setattr(self, name, column)
+        # (column, default) pairs, so a new row is reset without a lookup per column.
+        self._defaults = [(getattr(self, name), default) for name, (_, default) in self._COLUMNS.items()]
         self._cap = capacity
         if old:
             self.free_pids.extend(range(capacity - 1, old - 1, -1))
@@ -107,8 +109,8 @@ class BlockManager:
         if not self.free_pids:
             self._grow(self._cap + max(64, self._cap // 4))  # modest steps: metadata RAM is per page
         pid = self.free_pids.pop()
-        for name, (_, default) in self._COLUMNS.items():
-            getattr(self, name)[pid] = default
+        for column, default in self._defaults:
+            column[pid] = default
         self.uid[pid] = uid
         self.live[pid] = True
         return pid

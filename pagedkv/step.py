@@ -63,7 +63,7 @@ def parse_counts(new_tokens: Any) -> list[int]:
     if not isinstance(new_tokens, Mapping) or not new_tokens:
         raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
     counts = list(new_tokens.values())
-    if not all(type(count) is int and count >= 0 for count in counts):
+    if set(map(type, counts)) != {int} or min(counts) < 0:
         for count in counts:
             if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
                 raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
@@ -99,7 +99,7 @@ def begin(store: KVStore, step: Step) -> None:
     mgr, page_size = store._mgr, store.geometry.page_size
     get = store._seqs.get
     seqs = [get(seq_id) for seq_id in step.seq_ids]
-    if None in seqs or not {type(seq_id) for seq_id in step.seq_ids} <= {str, int}:
+    if None in seqs or not set(map(type, step.seq_ids)) <= {str, int}:
         seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
     if any(seq.busy for seq in seqs):
         busy = next(seq for seq in seqs if seq.busy)
