@@ -384,6 +384,12 @@ class KVStore:
         self._closed = True
         self._mgr.pool = None  # type: ignore[assignment]  # our own view must not pin the map
         self._batch = None
+        # Break the store <-> thread-helper cycles, so a dropped handle is freed at once
+        # rather than at the next cyclic collection.
+        self._mgr.on_take = self._mgr.wait_background = None
+        self._prefetcher._store = None  # type: ignore[assignment]
+        if self._write_behind is not None:
+            self._write_behind._store = None  # type: ignore[assignment]
         self._spill.close()
         self._pool_file.close()
         if self._writer_lock is not None:
