@@ -635,7 +635,9 @@ def test_open_close_cycles_return_fds_and_maps(fast_tmp: Path, scale: str) -> No
     print(f"T15: {total} open/close cycles; fds {fds} -> {fd_count()}, maps {maps} -> {maps_count()}, "
           f"samples {samples}")
     assert fd_count() == fds, samples
-    assert maps_count() <= maps, samples
+    # A leak per cycle would add hundreds of mappings; the allocator may add an arena or two.
+    assert maps_count() <= maps + 2, samples
+    assert max(count for _, count in samples) - min(count for _, count in samples) <= 2, samples
     store = pagedkv.open(path)
     try:
         model.verify_all(store)
