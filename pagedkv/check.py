@@ -10,6 +10,7 @@ from .codec import page_checksum
 from .errors import PageCorrupt
 from .manager import REC_CURRENT
 from .spill import key_uid
+from .restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -86,7 +87,7 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
         for pid in spilled.tolist():
             uid = int(mgr.uid[pid])
             try:
-                mgr.read_record(txn, pid)
+                read_record(mgr, txn, pid)
             except PageCorrupt as exc:
                 problems.append(str(exc))
     # A read-only handle sees the records a crashed writer left uncommitted; the

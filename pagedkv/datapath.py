@@ -11,6 +11,7 @@ from .errors import PagedKVError, PoolExhausted
 from .geometry import Geometry
 from .prefix import seal, write_tokens
 from .sequence import Sequence
+from .restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -132,6 +133,6 @@ def _read_in_place(store: KVStore, pids: np.ndarray, first: int,
                 mgr.stats.add("resident_hits")
                 copy_out(index, mgr.stable_copy(pid))
             else:
-                page, _ = mgr.read_record(txn, pid)
+                page, _ = read_record(mgr, txn, pid)
                 mgr.stats.add("spill_hits")
                 copy_out(index, page)

@@ -23,6 +23,7 @@ from .manager import HASHED, REC_NONE
 from .sequence import SeqId, Sequence
 from .snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta, lmdb_readers
 from .spill import uid_key
+from .restore import read_record
 
 MAP_LEGEND = {".": "free", "#": "resident (refcount 1)", "S": "shared (refcount > 1)", "P": "pinned",
               "c": "cached (refcount 0, kept for prefix reuse)",
@@ -171,7 +172,7 @@ def page_state(snap: Snapshot, pid: int, txn: Any) -> tuple[str, str | None]:
         # A live writer may have reused the slot after our metadata snapshot.
         return ("unverified" if snap.writer_pid else "corrupt"), problem
     try:
-        mgr.read_record(txn, pid)
+        read_record(mgr, txn, pid)
     except PageCorrupt as exc:
         return "corrupt", str(exc)
     return "verified", None

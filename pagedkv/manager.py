@@ -11,15 +11,14 @@ overwritten before a commit has moved them (see ``persist.py`` for the commit).
 from __future__ import annotations
 
 import struct
-import time
 from typing import Callable
 
 import numpy as np
 
-from . import faults
-from .codec import decode_record, page_checksum
+from .codec import page_checksum
 from .errors import PageCorrupt, PoolExhausted
 from .evict import evict as evict_batch
+from .restore import restore
 from .geometry import Geometry
 from .pool import PagePool
 from .prefix import PrefixIndex
@@ -239,7 +238,7 @@ class BlockManager:
             held = slots[~missing]
             np.add.at(self.pins, held, 1)
             try:
-                self._restore(np.unique(pids[missing]))
+                restore(self, np.unique(pids[missing]))
             finally:
                 np.subtract.at(self.pins, held, 1)
             slots = self.slot[pids]
@@ -305,81 +304,6 @@ class BlockManager:
         return dir_entry(where, int(self.fill[pid]), self.checksum(pid) if where >= 0 else int(self.csum[pid]),
                          int(self.flags[pid]) | int(self.codec[pid]) << CODEC_SHIFT, bytes(self.hash[pid]),
                          int(self.parent[pid]))
-
-    def _restore(self, pids: np.ndarray) -> None:
-        order = pids.tolist()
-        # Under a spill cap, restore a batch at a time: each batch's eviction can then
-        # free the records the previous batch made redundant, so the cap is never
-        # passed by more than one batch. Restored batches stay pinned until the end.
-        chunk = self.evict_batch if self.spill_limit is not None else max(len(order), 1)
-        bad: PageCorrupt | None = None
-        held: list[int] = []
-        try:
-            for start in range(0, len(order), chunk):
-                part = order[start:start + chunk]
-                slots = self.take_slots(len(part))
-                used: set[int] = set()  # slots placed, or handed back after a corrupt page
-                try:
-                    with self.spill.begin_read() as txn:
-                        for pid, slot in zip(part, slots):
-                            started = time.perf_counter()
-                            try:
-                                self._restore_one(txn, pid, slot)
-                            except PageCorrupt as exc:
-                                used.add(slot)
-                                self.free_slots.append(slot)
-                                self.corrupt[pid] = True
-                                self.stats.add("misses")
-                                bad = bad or exc
-                                continue
-                            used.add(slot)
-                            self.pins[slot] += 1
-                            held.append(slot)
-                            self.stats.add("restores")
-                            self.stats.add("spill_hits")
-                            self.stats.restore_latency(time.perf_counter() - started)
-                except BaseException:
-                    self.free_slots.extend(slot for slot in slots if slot not in used)
-                    raise
-        finally:
-            np.subtract.at(self.pins, np.asarray(held, np.int64), 1)
-        if bad is not None:
-            raise bad
-
-    def _restore_one(self, txn: object, pid: int, slot: int) -> None:
-        page, nbytes = self.read_record(txn, pid)
-        self.pool[slot] = page
-        faults.crashpoint("restore.after_copy")
-        self.stats.add("bytes_restored", nbytes)
-        self._place(pid, slot)
-
-    def read_record(self, txn: object, pid: int) -> tuple[np.ndarray, int]:
-        """Fetch and validate ``pid``'s spilled record; return a view of its page and its size.
-
-        Both the record's own checksum and the directory's (which may cover fewer
-        tokens, after a crash) must hold; otherwise ``PageCorrupt``.
-        """
-        uid = int(self.uid[pid])
-        if self.corrupt[pid]:
-            raise PageCorrupt(f"page {uid} is corrupt", uid)
-        return self.fetch_record(txn, uid, int(self.fill[pid]), int(self.csum[pid]))
-
-    def fetch_record(self, txn: object, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
-        """``read_record`` for a page known by its uid, fill and checksum (safe off the lock)."""
-        value = txn.get(uid_key(uid), db=self.spill.pages)  # type: ignore[attr-defined]
-        if value is None:
-            raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
-        header, page = decode_record(self.geom, value, uid, self.seed)
-        raw = header["codec"] == "raw"
-        # An encoded payload was checked before decoding; a raw one is checked here.
-        ok = not raw or page_checksum(page, header["fill"], uid, self.seed) == header["csum"]
-        if ok and (header["fill"] != fill or not raw):
-            ok = fill <= header["fill"] and page_checksum(page, fill, uid, self.seed) == csum
-        elif ok:
-            ok = header["csum"] == csum
-        if not ok:
-            raise PageCorrupt(f"page {uid}: spilled record fails its checksum", uid)
-        return page, len(value)
 
     # -- integrity -----------------------------------------------------------
     def checksum(self, pid: int) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 from .errors import PoolExhausted
 from .manager import REC_CURRENT
 from .sequence import SeqId
+from .restore import fetch_record
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -100,7 +101,7 @@ class Prefetcher:
         with self._store._spill.background_read() as txn:
             for pid, uid, fill, csum in chunk:
                 started = time.perf_counter()
-                page, nbytes = mgr.fetch_record(txn, uid, fill, csum)
+                page, nbytes = fetch_record(mgr, txn, uid, fill, csum)
                 staged.append((pid, uid, fill, csum, page.copy(), nbytes, time.perf_counter() - started))
         return staged
 
