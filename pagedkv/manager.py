@@ -130,6 +130,39 @@ class BlockManager:
         self.stats.add("pages_allocated")
         return pid
 
+    def new_pages(self, fills: np.ndarray) -> np.ndarray:
+        """Fresh resident pages with refcount 1, already holding ``fills`` tokens each.
+
+        ``new_page`` for a batch: one slot grab, one reset per column. The caller
+        writes the pages' bytes.
+        """
+        count = len(fills)
+        slots = np.array(self.take_slots(count), np.int64)
+        while len(self.free_pids) < count:
+            self._grow(self._cap + max(64, self._cap // 4))
+        pids = np.array(self.free_pids[:-count - 1:-1], np.int64)  # the order pop() gives
+        del self.free_pids[-count:]
+        for column, default in self._defaults:
+            column[pids] = default
+        self.uid[pids] = np.arange(self.next_uid, self.next_uid + count, dtype=np.uint64)
+        self.next_uid += count
+        self.live[pids] = True
+        self.ref[pids] = 1
+        self.slot[pids] = slots
+        self.slot_pid[slots] = pids
+        self.tick += 1
+        self.stamp[slots] = self.tick
+        self.fill[pids] = fills
+        self.gen[pids] = 1
+        self.csum_ok[pids] = False
+        self.chg[pids] = True
+        self.dirty_slot[slots] = True
+        if self.page_tokens:
+            for pid in pids.tolist():
+                self.page_tokens.pop(pid, None)
+        self.stats.add("pages_allocated", count)
+        return pids
+
     def copy_page(self, src: int) -> int:
         """Copy-on-write: a new private page holding ``src``'s tokens."""
         self.ensure_resident(np.array([src]))

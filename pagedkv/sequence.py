@@ -31,7 +31,7 @@ def seq_key(seq_id: SeqId) -> bytes:
 class Sequence:
     """Block table of one sequence: ``pids[:npages]`` are its pages in logical order."""
 
-    __slots__ = ("seq_id", "key", "pids", "npages", "length", "busy")
+    __slots__ = ("seq_id", "key", "pids", "npages", "length")
 
     def __init__(self, seq_id: SeqId, key: bytes, pids: np.ndarray | None = None, length: int = 0) -> None:
         self.seq_id = seq_id
@@ -39,7 +39,6 @@ class Sequence:
         self.pids = np.zeros(8, np.int32) if pids is None else pids
         self.npages = 0 if pids is None else len(pids)
         self.length = length
-        self.busy = False  # part of an active step
 
     @property
     def table(self) -> np.ndarray:

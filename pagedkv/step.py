@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .errors import PagedKVError, PoolExhausted, SequenceBusy
+from .errors import PagedKVError, PoolExhausted
 from .prefix import as_token_ids, seal, write_tokens
 from .sequence import SeqId, Sequence
 
@@ -72,12 +72,19 @@ def parse_counts(new_tokens: Any) -> list[int]:
 
 
 class _Batch:
-    """The previous step's block table, reusable while nothing it depends on changed."""
+    """The previous step's sequences and block table, reusable while nothing they depend on changed.
+
+    ``lengths`` and ``npages`` are the sequences' state after that step; with the
+    set of its sequences and their keys they spare the next step of the same
+    batch one Python pass per sequence each.
+    """
 
     def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
-                 table_epoch: int, evict_epoch: int) -> None:
+                 table_epoch: int, evict_epoch: int, lengths: np.ndarray, npages: np.ndarray,
+                 members: frozenset[Sequence], by_key: dict[bytes, Sequence]) -> None:
         self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
         self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
+        self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
 
 
 def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -97,25 +104,31 @@ def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) ->
 def begin(store: KVStore, step: Step) -> None:
     """Plan and pin a step (called with the store lock held)."""
     mgr, page_size = store._mgr, store.geometry.page_size
-    get = store._seqs.get
-    seqs = [get(seq_id) for seq_id in step.seq_ids]
-    if None in seqs or not set(map(type, step.seq_ids)) <= {str, int}:
-        seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
-    if any(seq.busy for seq in seqs):
-        busy = next(seq for seq in seqs if seq.busy)
-        raise SequenceBusy(f"sequence {busy.seq_id!r} is already in an active step")
+    batch = store._batch
+    if batch is None or batch.table_epoch != store._table_epoch or batch.seq_ids != step.seq_ids:
+        batch = None
+        get = store._seqs.get
+        seqs = [get(seq_id) for seq_id in step.seq_ids]
+        if None in seqs or not set(map(type, step.seq_ids)) <= {str, int}:
+            seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
+        members = frozenset(seqs)
+        lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
+        npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
+    else:  # the same batch as the last step, and no block table changed since
+        seqs, members, lengths, npages = batch.seqs, batch.members, batch.lengths, batch.npages
+    store._check_idle(members)
     count = len(seqs)
     counts = np.asarray(step.new_tokens, np.int64)
-    lengths = np.fromiter((seq.length for seq in seqs), np.int64, count)
-    npages = np.fromiter((seq.npages for seq in seqs), np.int64, count)
     new_npages = -(-(lengths + counts) // page_size)
-    tables = _tables(store, step, seqs, npages, int(new_npages.max()))
+    tables, reused = _tables(store, step, seqs, npages, int(new_npages.max()), batch)
     rows = np.arange(count)
     last_slots = tables[rows, np.maximum(npages - 1, 0)]
     last_pids = np.where(npages > 0, mgr.slot_pid[last_slots], -1)
     partial = (lengths % page_size != 0) & (counts > 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     held = tables[tables >= 0]
+    if reused:
+        mgr.stats.add("resident_hits", len(held))
     needed = len(held) + int((new_npages - npages).sum()) + int(cow.sum())
     if needed > mgr.available():
         needed = pages_needed(store, seqs, step.new_tokens)
@@ -125,11 +138,17 @@ def begin(store: KVStore, step: Step) -> None:
     step._pins = np.bincount(held, minlength=mgr.pool_pages).astype(np.int32)
     mgr.pins += step._pins
     step._seqs = seqs
-    grows = np.flatnonzero((new_npages > npages) | cow).tolist()
+    grows = np.flatnonzero((new_npages > npages) | cow)
     last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
-        for row in grows:
+        if len(grows) and not step.token_ids:
+            # Rows that start exactly one fresh page (decode crossing a page boundary)
+            # get their pages in one batch; the others go page by page.
+            fresh = (lengths[grows] % page_size == 0) & (new_npages[grows] == npages[grows] + 1)
+            _fresh_pages(store, step, seqs, grows[fresh], counts, npages, tables)
+            grows = grows[~fresh]
+        for row in grows.tolist():
             _grow(store, step, seqs[row], step.new_tokens[row], tables[row])
         inplace = np.flatnonzero(partial & ~cow & (new_npages == npages))
         if len(inplace):
@@ -139,30 +158,34 @@ def begin(store: KVStore, step: Step) -> None:
     except BaseException:
         end(store, step, ok=False)
         raise
-    for seq, length in zip(seqs, (lengths + counts).tolist()):
+    after = lengths + counts
+    for seq, length in zip(seqs, after.tolist()):
         seq.length = length
-        seq.busy = True
+    store._busy[id(step)] = members
+    by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     if counts.all():
-        store._dirty.update({seq.key: seq for seq in seqs})
+        store._dirty.update(by_key)
     else:
         store._dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
-    store._batch = _Batch(step.seq_ids, seqs, tables, store._table_epoch, mgr.evict_epoch)
-    _outputs(store, step, tables, lengths, counts, new_npages)
+    store._batch = _Batch(step.seq_ids, seqs, tables, store._table_epoch, mgr.evict_epoch,
+                          after, new_npages, members, by_key)
+    _outputs(store, step, tables, lengths, counts, new_npages, held)
 
 
 def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray,
-            width: int) -> np.ndarray:
-    """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled."""
-    mgr, batch = store._mgr, store._batch
-    if (batch is not None and batch.table_epoch == store._table_epoch
-            and batch.evict_epoch == mgr.evict_epoch and batch.seq_ids == step.seq_ids):
+            width: int, batch: _Batch | None) -> tuple[np.ndarray, bool]:
+    """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
+
+    Also says whether the table is the last step's (its pages counted as hits here).
+    """
+    mgr = store._mgr
+    if batch is not None and batch.evict_epoch == mgr.evict_epoch:
         tables = batch.tables
-        mgr.stats.add("resident_hits", int(np.count_nonzero(tables >= 0)))
         if tables.shape[1] >= width:
-            return tables
+            return tables, True
         wider = np.full((len(seqs), max(width, 2 * tables.shape[1])), -1, np.int32)
         wider[:, :tables.shape[1]] = tables
-        return wider
+        return wider, True
     pids = np.concatenate([seq.table for seq in seqs])
     needed = pages_needed(store, seqs, step.new_tokens)
     if needed > mgr.available():
@@ -174,7 +197,22 @@ def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray
     starts = np.cumsum(npages) - npages
     rows = np.repeat(np.arange(len(seqs)), npages)
     tables[rows, np.arange(len(pids)) - starts[rows]] = slots
-    return tables
+    return tables, False
+
+
+def _fresh_pages(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndarray,
+                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> None:
+    """One new page for each of ``rows``, holding its new tokens, in one batch (no token ids)."""
+    if not len(rows):
+        return
+    mgr = store._mgr
+    pids = mgr.new_pages(counts[rows])
+    slots = mgr.slot[pids]
+    mgr.pins[slots] += 1
+    step._pins[slots] += 1
+    tables[rows, npages[rows]] = slots
+    for row, pid in zip(rows.tolist(), pids.tolist()):
+        seqs[row].push(pid)
 
 
 def _grow(store: KVStore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:
@@ -224,7 +262,7 @@ def _inplace_tokens(store: KVStore, step: Step, seqs: list[Sequence], rows: np.n
 
 
 def _outputs(store: KVStore, step: Step, tables: np.ndarray, lengths: np.ndarray,
-             counts: np.ndarray, new_npages: np.ndarray) -> None:
+             counts: np.ndarray, new_npages: np.ndarray, held: np.ndarray) -> None:
     mgr, page_size = store._mgr, store.geometry.page_size
     width = int(new_npages.max())
     step.block_tables = tables[:, :width].copy()  # the batch cache keeps mutating ``tables``
@@ -238,7 +276,7 @@ def _outputs(store: KVStore, step: Step, tables: np.ndarray, lengths: np.ndarray
         page_slots = tables[token_rows, positions // page_size]
     step.slot_mapping = page_slots.astype(np.int64) * page_size + positions % page_size
     step.seq_lens = (lengths + counts).astype(np.int32)
-    mgr.touch(step.block_tables[step.block_tables >= 0])
+    mgr.touch(held)  # the step's new pages were stamped as they were placed
 
 
 def end(store: KVStore, step: Step, ok: bool) -> None:
@@ -247,7 +285,8 @@ def end(store: KVStore, step: Step, ok: bool) -> None:
     try:
         if step._undo:
             lengths, npages, last_pids, last_fill = step._undo
-            changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist()
+            changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist() \
+                if not ok or step.token_ids else []
             if not ok:
                 for row in reversed(changed):
                     store._truncate(step._seqs[row], int(lengths[row]), int(npages[row]),
@@ -261,5 +300,4 @@ def end(store: KVStore, step: Step, ok: bool) -> None:
     finally:
         mgr.pins -= step._pins
         step._pins = np.zeros(0, np.int32)
-        for seq in step._seqs:
-            seq.busy = False
+        store._busy.pop(id(step), None)

@@ -63,6 +63,7 @@ class KVStore:
         self._dropped: set[bytes] = set()
         self._table_epoch = 0  # bumped by every block-table change outside a step
         self._batch: Any = None  # the last step's block table (see step.py)
+        self._busy: dict[int, frozenset[Sequence]] = {}  # the sequences of each active step
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
@@ -117,9 +118,15 @@ class KVStore:
 
     def _idle_seq(self, seq_id: SeqId) -> Sequence:
         seq = self._seq(seq_id)
-        if seq.busy:
-            raise SequenceBusy(f"sequence {seq_id!r} is in an active step")
+        self._check_idle(frozenset((seq,)))
         return seq
+
+    def _check_idle(self, seqs: frozenset[Sequence]) -> None:
+        """Raise ``SequenceBusy`` if any of ``seqs`` is part of an active step."""
+        for members in self._busy.values():
+            if not seqs.isdisjoint(members):
+                busy = next(seq for seq in seqs if seq in members)
+                raise SequenceBusy(f"sequence {busy.seq_id!r} is in an active step")
 
     @property
     def pool(self) -> np.ndarray:
@@ -272,7 +279,7 @@ class KVStore:
         """Whether ``step(new_tokens)`` would find room for all its pages at once right now."""
         counts = step_mod.parse_counts(new_tokens)
         seqs = [self._seq(seq_id) for seq_id in new_tokens]
-        if any(seq.busy for seq in seqs):
+        if any(not frozenset(seqs).isdisjoint(members) for members in self._busy.values()):
             return False
         needed = step_mod.pages_needed(self, seqs, counts)
         return needed <= self._mgr.available()
