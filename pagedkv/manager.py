@@ -54,6 +54,7 @@ class BlockManager:
         self.next_uid = 1
         self.tick = 0
         self._cap = 0
+        self.hashing = False
         self._grow(max(64, self.pool_pages))
         self.free_pids: list[int] = list(range(self._cap - 1, -1, -1))
         self.slot_pid = np.full(self.pool_pages, -1, np.int64)
@@ -91,22 +92,48 @@ class BlockManager:
         "gen": (np.uint32, 0),  # bumped on every write, so background work can tell
     }
 
+    # Only pages given token ids are hashed; until the first one, these columns are
+    # zero-stride views of their default, so a store that never hashes pays nothing.
+    _SPARSE = ("hash", "parent")
+
     def _grow(self, capacity: int) -> None:
         old = self._cap
         for name, (dtype, default) in self._COLUMNS.items():
-            column = np.full(capacity, default, dtype=dtype)
-            if old:
-                column[:old] = getattr(self, name)
+            if name in self._SPARSE and not self.hashing:
+                column = np.broadcast_to(np.full(1, default, dtype=dtype), (capacity,))
+            else:
+                column = np.full(capacity, default, dtype=dtype)
+                if old:
+                    column[:old] = getattr(self, name)
             setattr(self, name, column)
-        # (column, default) pairs, so a new row is reset without a lookup per column.
-        self._defaults = [(getattr(self, name), default) for name, (_, default) in self._COLUMNS.items()]
+        self._reset_pairs()
         self._cap = capacity
         if old:
             self.free_pids.extend(range(capacity - 1, old - 1, -1))
 
+    def _reset_pairs(self) -> None:
+        # (column, default) pairs, so a new row is reset without a lookup per column.
+        self._defaults = [(getattr(self, name), default) for name, (_, default) in self._COLUMNS.items()
+                          if self.hashing or name not in self._SPARSE]
+
+    def track_hashes(self) -> None:
+        """Give the content-hash columns storage of their own (before the first hashed page)."""
+        if self.hashing:
+            return
+        self.hashing = True
+        for name in self._SPARSE:
+            dtype, default = self._COLUMNS[name]
+            setattr(self, name, np.full(self._cap, default, dtype=dtype))
+        self._reset_pairs()
+
+    def _reserve(self, count: int) -> None:
+        while len(self.free_pids) < count:
+            # Modest steps: metadata RAM is per page, and a copy per step is amortised anyway.
+            self._grow(self._cap + max(64, self._cap // 8))
+
     def _new_pid(self, uid: int) -> int:
         if not self.free_pids:
-            self._grow(self._cap + max(64, self._cap // 4))  # modest steps: metadata RAM is per page
+            self._reserve(1)
         pid = self.free_pids.pop()
         for column, default in self._defaults:
             column[pid] = default
@@ -138,8 +165,7 @@ class BlockManager:
         """
         count = len(fills)
         slots = np.array(self.take_slots(count), np.int64)
-        while len(self.free_pids) < count:
-            self._grow(self._cap + max(64, self._cap // 4))
+        self._reserve(count)
         pids = np.array(self.free_pids[:-count - 1:-1], np.int64)  # the order pop() gives
         del self.free_pids[-count:]
         for column, default in self._defaults:

@@ -200,8 +200,10 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     flags = rows["flags"]
     mgr.flags[:count] = mgr.c_flags[:count] = flags & ((1 << CODEC_SHIFT) - 1)
     mgr.codec[:count] = (flags >> CODEC_SHIFT) & 3
-    mgr.hash[:count] = rows["hash"]
-    mgr.parent[:count] = rows["parent"]
+    if (flags & HASHED).any() or rows["parent"].any():
+        mgr.track_hashes()
+        mgr.hash[:count] = rows["hash"]
+        mgr.parent[:count] = rows["parent"]
     mgr.rec_bytes[:count] = [record_sizes.get(key, 0) for key in keys]
     mgr.spill_bytes = sum(record_sizes.values())
     for pid in np.flatnonzero(flags & HASHED).tolist():

@@ -129,6 +129,7 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     if token_ids is None:
         return
     digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
+    mgr.track_hashes()
     mgr.hash[pid] = digest
     mgr.parent[pid] = mgr.uid[parent] if parent >= 0 else 0
     mgr.flags[pid] |= HASHED
