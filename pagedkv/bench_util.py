@@ -116,6 +116,10 @@ class Pairs:
         """Median of the per-round ratios of ``a`` to another series of the same rounds."""
         return statistics.median(x / y for x, y in zip(self.a, other) if y)
 
+    def ratio_to_b(self, series: list[float]) -> float:
+        """Median of the per-round ratios of another series of the same rounds to ``b``."""
+        return statistics.median(x / y for x, y in zip(series, self.b) if y)
+
 
 def interleave(a: Callable[[], float], b: Callable[[], float], pairs: int,
                extra: dict[str, Callable[[], float]] | None = None) -> Pairs:

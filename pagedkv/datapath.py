@@ -95,12 +95,21 @@ def truncate(store: KVStore, seq: Sequence, length: int, npages: int, last: int,
     seq.length = length
 
 
+def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> tuple[int, int]:
+    """Validate ``[start, stop)`` against ``[0, limit]`` (``limit`` tokens or pages); return ints."""
+    for name, value in (("start", start), ("stop", stop)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise PagedKVError(f"{name} must be an int")
+    if not 0 <= start <= stop <= limit:
+        raise PagedKVError(f"range [{start}, {stop}) is outside sequence {seq.seq_id!r} of {limit} {unit}")
+    return int(start), int(stop)
+
+
 def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     """Copies of K and V of tokens ``[start, stop)``; pages stream through the pool."""
-    geom, mgr, page_size = store.geometry, store._mgr, store.geometry.page_size
+    geom, page_size = store.geometry, store.geometry.page_size
     shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
     out_k, out_v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
-    first, last = start // page_size, -(-stop // page_size)
 
     def copy_out(index: int, page: np.ndarray) -> None:
         a, b = max(start, index * page_size), min(stop, (index + 1) * page_size)
@@ -108,11 +117,34 @@ def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarr
         out_k[:, a - start:b - start] = page[:, 0, a - base:b - base]
         out_v[:, a - start:b - start] = page[:, 1, a - base:b - base]
 
+    _each_page(store, seq, start // page_size, -(-stop // page_size), copy_out)
+    return out_k, out_v
+
+
+def read_pages(store: KVStore, seq: Sequence, first: int, last: int) -> np.ndarray:
+    """Copies of pages ``[first, last)`` in pool layout; the last page's unused tail zeroed."""
+    geom = store.geometry
+    out = np.empty((last - first, *geom.page_shape), geom.np_dtype)
+
+    def copy_out(index: int, page: np.ndarray) -> None:
+        out[index - first] = page
+
+    _each_page(store, seq, first, last, copy_out)
+    tail = seq.length - (last - 1) * geom.page_size
+    if last > first and tail < geom.page_size:
+        out[-1, :, :, tail:] = 0  # the slot's bytes there are another page's leftovers
+    return out
+
+
+def _each_page(store: KVStore, seq: Sequence, first: int, last: int,
+               copy_out: Callable[[int, np.ndarray], None]) -> None:
+    """Call ``copy_out(index, page)`` for pages ``[first, last)``, verified, restoring as needed."""
+    mgr = store._mgr
     if store.readonly:
         _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
-        return out_k, out_v
+        return
     chunk = mgr.available()
-    if stop > start and chunk < 1:
+    if last > first and chunk < 1:
         raise PoolExhausted("every pool slot is pinned by active steps")
     for lo in range(first, last, max(chunk, 1)):
         pids = seq.pids[lo:min(last, lo + chunk)].copy()
@@ -120,7 +152,6 @@ def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarr
         mgr.verify_many(pids)
         for index, slot in enumerate(slots.tolist(), lo):
             copy_out(index, mgr.pool[slot])
-    return out_k, out_v
 
 
 def _read_in_place(store: KVStore, pids: np.ndarray, first: int,

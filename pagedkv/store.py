@@ -6,7 +6,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import lmdb
 import numpy as np
@@ -27,6 +27,8 @@ from .spill import SpillStore, lmdb_error
 from .stats import Stats, store_stats
 from .step import Step
 from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
+
+T = TypeVar("T")
 
 __all__ = ["KVStore", "StoreOptions", "DURABILITY"]
 
@@ -207,17 +209,36 @@ class KVStore:
         streams through it. Raises ``PageCorrupt`` if a page fails its checksum.
         """
         seq = self._seq(seq_id)
-        stop = seq.length if stop is None else stop
-        for name, value in (("start", start), ("stop", stop)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise PagedKVError(f"{name} must be an int")
-        if not 0 <= start <= stop <= seq.length:
-            raise PagedKVError(f"range [{start}, {stop}) is outside sequence {seq_id!r} "
-                               f"of length {seq.length}")
+        start, stop = datapath.check_range(seq, start, seq.length if stop is None else stop, seq.length,
+                                           "tokens")
+        out = self._serve(seq, lambda seq: datapath.read(self, seq, start, stop),
+                          lambda seq: seq.length >= stop)
+        self._stats.add("tokens_read", stop - start)
+        return out
+
+    @_op(write=False)
+    def read_pages(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Copies of pages ``[start, stop)`` of a sequence in page layout (no K/V reshuffle).
+
+        Shape ``(n, layers, 2, page_size, kv_heads, head_dim)``, like ``store.pool``:
+        what an engine moving whole blocks wants, and one contiguous copy per
+        page. Positions past the sequence's last token are zero. Spilled pages
+        are restored on the way; raises ``PageCorrupt`` like ``read``.
+        """
+        seq = self._seq(seq_id)
+        start, stop = datapath.check_range(seq, start, seq.npages if stop is None else stop, seq.npages,
+                                           "pages")
+        out = self._serve(seq, lambda seq: datapath.read_pages(self, seq, start, stop),
+                          lambda seq: seq.npages >= stop)
+        self._stats.add("tokens_read", min(seq.length, stop * self.geometry.page_size)
+                        - start * self.geometry.page_size)
+        return out
+
+    def _serve(self, seq: Sequence, fetch: Callable[[Sequence], T], enough: Callable[[Sequence], bool]) -> T:
+        """``fetch(seq)``; beside a live writer, retried on a fresh snapshot if it went stale."""
         for attempt in range(5):
             try:
-                out = datapath.read(self, seq, int(start), int(stop))
-                break
+                return fetch(seq)
             except PageCorrupt:
                 # Beside a live writer a read-only snapshot goes stale as slots are
                 # reused; committed tokens never change, so a fresh snapshot serves them.
@@ -225,11 +246,10 @@ class KVStore:
                         lock_holder(os.path.join(self.path, "LOCK")) is None:
                     raise
                 self._refresh()
-                seq = self._seq(seq_id)
-                if seq.length < stop:
-                    raise PagedKVError(f"sequence {seq_id!r} changed under a live writer") from None
-        self._stats.add("tokens_read", stop - start)
-        return out
+                seq = self._seq(seq.seq_id)
+                if not enough(seq):
+                    raise PagedKVError(f"sequence {seq.seq_id!r} changed under a live writer") from None
+        raise AssertionError("unreachable")
 
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:

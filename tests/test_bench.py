@@ -51,6 +51,8 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         by_id.setdefault(row["scenario"], []).append(row)
     assert {row["params"]["sequences"] for row in by_id["B2"]} >= {64, 256}
+    assert sorted(row["name"] for row in by_id["B3"]) == ["read whole sequences",
+                                                          "read whole sequences as pages"]
     churn = by_id["B4"]
     assert {row["params"]["durability"] for row in churn} == {"durable", "nosync"}
     assert {row["params"]["working_set"] for row in churn} == {"2x", "4x", "16x"}
