@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 
 from . import faults
-from .errors import PagedKVError, PoolExhausted
+from .errors import PageCorrupt, PagedKVError, PoolExhausted
+from .lockfile import lock_holder
 from .geometry import Geometry
 from .prefix import seal, write_tokens
 from .sequence import Sequence
@@ -15,6 +17,8 @@ from .restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore
+
+T = TypeVar("T")
 
 
 def check_kv(geom: Geometry, k: Any, v: Any) -> int:
@@ -103,6 +107,28 @@ def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> 
     if not 0 <= start <= stop <= limit:
         raise PagedKVError(f"range [{start}, {stop}) is outside sequence {seq.seq_id!r} of {limit} {unit}")
     return int(start), int(stop)
+
+
+def serve(store: KVStore, seq: Sequence, fetch: Callable[[Sequence], T],
+          enough: Callable[[Sequence], bool]) -> T:
+    """``fetch(seq)``; beside a live writer, retried on a fresh snapshot if it went stale.
+
+    ``enough(seq)`` says whether the refreshed sequence still covers the request.
+    """
+    for attempt in range(5):
+        try:
+            return fetch(seq)
+        except PageCorrupt:
+            # Beside a live writer a read-only snapshot goes stale as slots are
+            # reused; committed tokens never change, so a fresh snapshot serves them.
+            if not store.readonly or attempt == 4 or \
+                    lock_holder(os.path.join(store.path, "LOCK")) is None:
+                raise
+            store._refresh()
+            seq = store._seq(seq.seq_id)
+            if not enough(seq):
+                raise PagedKVError(f"sequence {seq.seq_id!r} changed under a live writer") from None
+    raise AssertionError("unreachable")
 
 
 def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,17 +6,16 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping
 
 import lmdb
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
 from .check import check_store
-from .errors import (PageCorrupt, PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists,
-                     SequenceNotFound, StoreClosed, StoreCorrupt)
+from .errors import (ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
+                     StoreCorrupt)
 from .geometry import Geometry
-from .lockfile import lock_holder
 from .manager import BlockManager
 from .pool import PagePool
 from .prefetch import Prefetch, Prefetcher
@@ -27,8 +26,6 @@ from .spill import SpillStore, lmdb_error
 from .stats import Stats, store_stats
 from .step import Step
 from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
-
-T = TypeVar("T")
 
 __all__ = ["KVStore", "StoreOptions", "DURABILITY"]
 
@@ -211,7 +208,7 @@ class KVStore:
         seq = self._seq(seq_id)
         start, stop = datapath.check_range(seq, start, seq.length if stop is None else stop, seq.length,
                                            "tokens")
-        out = self._serve(seq, lambda seq: datapath.read(self, seq, start, stop),
+        out = datapath.serve(self, seq, lambda seq: datapath.read(self, seq, start, stop),
                           lambda seq: seq.length >= stop)
         self._stats.add("tokens_read", stop - start)
         return out
@@ -228,28 +225,11 @@ class KVStore:
         seq = self._seq(seq_id)
         start, stop = datapath.check_range(seq, start, seq.npages if stop is None else stop, seq.npages,
                                            "pages")
-        out = self._serve(seq, lambda seq: datapath.read_pages(self, seq, start, stop),
+        out = datapath.serve(self, seq, lambda seq: datapath.read_pages(self, seq, start, stop),
                           lambda seq: seq.npages >= stop)
         self._stats.add("tokens_read", min(seq.length, stop * self.geometry.page_size)
                         - start * self.geometry.page_size)
         return out
-
-    def _serve(self, seq: Sequence, fetch: Callable[[Sequence], T], enough: Callable[[Sequence], bool]) -> T:
-        """``fetch(seq)``; beside a live writer, retried on a fresh snapshot if it went stale."""
-        for attempt in range(5):
-            try:
-                return fetch(seq)
-            except PageCorrupt:
-                # Beside a live writer a read-only snapshot goes stale as slots are
-                # reused; committed tokens never change, so a fresh snapshot serves them.
-                if not self.readonly or attempt == 4 or \
-                        lock_holder(os.path.join(self.path, "LOCK")) is None:
-                    raise
-                self._refresh()
-                seq = self._seq(seq.seq_id)
-                if not enough(seq):
-                    raise PagedKVError(f"sequence {seq.seq_id!r} changed under a live writer") from None
-        raise AssertionError("unreachable")
 
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:
