@@ -11,6 +11,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 from . import faults
 from .codec import FORMAT_VERSION, unpack_bounded
@@ -24,6 +25,8 @@ from .spill import SpillStore, key_uid, uid_key
 _DIR_DTYPE = np.dtype([("where", "<i4"), ("fill", "<u4"), ("csum", "<u8"), ("flags", "<u4"),
                        ("hash", "V16"), ("parent", "<u8")])
 assert _DIR_DTYPE.itemsize == DIR_ENTRY.size
+_IDENT_DTYPE = np.dtype([("uid", "<u8"), ("fill", "<u4")])  # what page_checksum hashes first
+_GATHER_BYTES = 16 << 20  # partial-page bytes copied per checksum batch: bounded for big pages
 
 
 def write_superblock(spill: SpillStore, fields: dict[str, Any]) -> None:
@@ -68,16 +71,15 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
            state: dict[str, Any], durable: bool) -> None:
     """Make the current state the committed one, in write-ahead order."""
     pids = np.flatnonzero(mgr.chg & mgr.live)
-    for pid in pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]].tolist():
-        mgr.checksum(pid)
+    refresh_checksums(mgr, pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]])
     where = np.where(mgr.slot[pids] >= 0, mgr.slot[pids], SPILLED).astype(np.int32)
     rows = np.zeros(len(pids), _DIR_DTYPE)
     rows["where"], rows["fill"], rows["csum"] = where, mgr.fill[pids], mgr.csum[pids]
     rows["flags"] = mgr.flags[pids].astype(np.uint32) | mgr.codec[pids].astype(np.uint32) << CODEC_SHIFT
     rows["hash"], rows["parent"] = mgr.hash[pids], mgr.parent[pids]
-    keys = _uid_keys(mgr.uid[pids])
-    blob, size = rows.tobytes(), _DIR_DTYPE.itemsize
-    entries = [(keys[i], blob[i * size:(i + 1) * size]) for i in range(len(pids))]
+    keys, blob, size = mgr.uid[pids].astype(">u8").tobytes(), rows.tobytes(), _DIR_DTYPE.itemsize
+    entries = [(keys[at:at + 8], blob[row:row + size])
+               for at, row in zip(range(0, len(keys), 8), range(0, len(blob), size))]
     token_puts = [(uid_key(int(mgr.uid[pid])), mgr.page_tokens[pid].tobytes())
                   for pid in pids[(mgr.flags[pids] & HAS_TOKENS) != 0].tolist() if pid in mgr.page_tokens]
     zombies = np.asarray(mgr.zombies, np.int64)
@@ -89,7 +91,7 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
     if durable:
         mgr.pool_file.flush_slots(np.flatnonzero(mgr.dirty_slot))
     faults.crashpoint("commit.after_flush")
-    seq_puts = [(key, pack_table(mgr, seq)) for key, seq in dirty.items()]
+    seq_puts = list(zip(dirty, pack_tables(mgr, list(dirty.values()))))
     seq_deletes = [key for key in dropped if key not in dirty]
     meta_puts = [(b"lru", mgr.stamp.astype("<i8").tobytes()), (b"state", msgpack.packb(state))]
     spill = mgr.spill
@@ -150,11 +152,79 @@ def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.n
     mgr.doomed = []
 
 
-def pack_table(mgr: BlockManager, seq: Sequence) -> bytes:
-    """The block-table value of a sequence: [seq id, length, uids as little-endian u64]."""
-    uids = mgr.uid[seq.table].astype("<u8").tobytes()
-    return msgpack.packb([seq.seq_id, seq.length, uids])
+def pack_tables(mgr: BlockManager, seqs: list[Sequence]) -> list[bytes]:
+    """The block-table values of ``seqs``: [seq id, length, uids as little-endian u64] each.
 
+    One uid gather for all tables, then one msgpack call per sequence: a decode
+    step dirties every running sequence, so per-table numpy calls would dominate.
+    """
+    if not seqs:
+        return []
+    uids = mgr.uid[np.concatenate([seq.pids[:seq.npages] for seq in seqs])].astype("<u8").tobytes()
+    pack = msgpack.Packer().pack  # packb's defaults, without a Packer per call
+    values, low = [], 0
+    for seq in seqs:
+        high = low + 8 * seq.npages
+        values.append(pack([seq.seq_id, seq.length, uids[low:high]]))
+        low = high
+    return values
+
+
+def refresh_checksums(mgr: BlockManager, pids: np.ndarray) -> None:
+    """Recompute the checksums of resident pages ``pids`` (``codec.page_checksum``, batched).
+
+    Full pages are hashed in place. The first ``fill`` tokens of a partial page are
+    strided across layers, so the token rows of many pages are gathered with one
+    ``np.take`` per batch of about ``_GATHER_BYTES``; each page is then hashed as
+    ``page_checksum`` does: its identity, then its bytes.
+    """
+    if not len(pids):
+        return
+    geom, seed = mgr.geom, mgr.seed
+    page_size, planes = geom.page_size, 2 * geom.layers  # a page is (planes, page_size, token row)
+    row_nbytes = geom.page_nbytes // (planes * page_size)
+    rows = mgr.pool.view(np.uint8).reshape(-1, row_nbytes)  # one row per (slot, plane, token)
+    slots, fills = mgr.slot[pids].astype(np.int64), mgr.fill[pids].astype(np.int64)
+    idents = np.empty(len(pids), _IDENT_DTYPE)
+    idents["uid"], idents["fill"] = mgr.uid[pids], fills
+    blob, size = idents.tobytes(), _IDENT_DTYPE.itemsize
+    ident = [blob[at:at + size] for at in range(0, len(blob), size)]
+    csums = np.empty(len(pids), np.uint64)
+    full = fills == page_size
+    if full.any():
+        whole, nbytes = np.flatnonzero(full), geom.page_nbytes
+        with memoryview(rows).cast("B") as pool_bytes:
+            values = []
+            for at, first in zip(whole.tolist(), (slots[whole] * nbytes).tolist()):
+                hasher = xxhash.xxh3_64(ident[at], seed)
+                hasher.update(pool_bytes[first:first + nbytes])
+                values.append(hasher.intdigest())
+        csums[whole] = values
+    part = np.flatnonzero(~full)
+    if len(part):
+        ends = np.cumsum(fills[part]) * (planes * row_nbytes)
+        batches = [part]
+        if ends[-1] > _GATHER_BYTES:
+            batches = np.split(part, np.searchsorted(ends, np.arange(_GATHER_BYTES, ends[-1], _GATHER_BYTES)))
+        for batch in batches:
+            if not len(batch):
+                continue
+            # Runs of fill rows, one per (page, plane), laid end to end in page order.
+            lengths = np.repeat(fills[batch], planes)
+            starts = ((slots[batch, None] * planes + np.arange(planes)) * page_size).ravel()
+            stops = np.cumsum(lengths)
+            taken = np.arange(int(stops[-1])) + np.repeat(starts - (stops - lengths), lengths)
+            data = memoryview(np.take(rows, taken, axis=0)).cast("B")
+            highs = (np.cumsum(fills[batch]) * (planes * row_nbytes)).tolist()
+            values, low = [], 0
+            for at, high in zip(batch.tolist(), highs):
+                hasher = xxhash.xxh3_64(ident[at], seed)
+                hasher.update(data[low:high])
+                values.append(hasher.intdigest())
+                low = high
+            csums[batch] = values
+    mgr.csum[pids] = csums
+    mgr.csum_ok[pids] = True
 
 def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
     """Rebuild the directory and the sequences from the last commit; O(metadata)."""
