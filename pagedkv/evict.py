@@ -61,18 +61,20 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
     if not victims:
         return 0
     plan = _Plan()
-    for slot in victims:
-        pid = int(mgr.slot_pid[slot])
+    live = mgr.slot_pid[victims]
+    cpids = mgr.slot_cpid[victims]
+    recs = mgr.rec[np.maximum(live, 0)]
+    for slot, pid, cpid, rec in zip(victims, live.tolist(), cpids.tolist(), recs.tolist()):
         if pid < 0:  # a freed page whose committed bytes must outlive its slot
-            pid = int(mgr.slot_cpid[slot])
+            pid = cpid
             _put_record(mgr, plan, slot, pid, int(mgr.c_fill[pid]), int(mgr.c_csum[pid]))
-        elif mgr.rec[pid] != REC_CURRENT:
+        elif rec != REC_CURRENT:
             # An unverified page keeps its committed checksum, so damage is caught
             # at restore instead of being laundered into a new record.
             _put_record(mgr, plan, slot, pid, int(mgr.fill[pid]), mgr.checksum(pid))
         else:
             plan.spilled.append((slot, pid, -1))
-        if mgr.slot_cpid[slot] == pid or pid in plan.c_csums:
+        if cpid == pid or pid in plan.c_csums:
             entry = mgr.committed_entry(pid, SPILLED, plan.c_csums.get(pid), plan.codecs.get(pid))
             plan.puts.append((mgr.spill.dir, uid_key(int(mgr.uid[pid])), entry))
     for uid, nbytes in mgr.doomed:
@@ -95,19 +97,7 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
         mgr.doomed = doomed + mgr.doomed
         raise
     faults.crashpoint("evict.after_commit")
-    for slot, pid, nbytes in plan.spilled:
-        if mgr.slot_pid[slot] == pid:
-            mgr.pstamp[pid] = mgr.stamp[slot]
-            mgr.slot[pid] = -1
-            mgr.slot_pid[slot] = -1
-        if nbytes >= 0:
-            mgr.spill_bytes += nbytes - int(mgr.rec_bytes[pid])
-            mgr.rec_bytes[pid] = nbytes
-        mgr.rec[pid] = REC_CURRENT
-        if mgr.slot_cpid[slot] == pid:
-            mgr.c_where[pid] = SPILLED
-            mgr.slot_cpid[slot] = -1
-        mgr.free_slots.append(slot)
+    _settle(mgr, plan.spilled)
     for pid in plan.repointed:
         mgr.spill_bytes -= int(mgr.rec_bytes[pid])
         mgr.rec_bytes[pid] = 0
@@ -130,6 +120,31 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
     mgr.stats.add("evict_batches")
     mgr.stats.add("bytes_spilled", plan.added)
     return len(victims)
+
+
+def _settle(mgr: BlockManager, spilled: list[tuple[int, int, int]]) -> None:
+    """After the commit: the spilled pages leave their slots, which become free.
+
+    Column-wise for the whole batch: a victim's pid is unique to it (a page is
+    resident in one slot, and a slot kept for committed bytes holds a freed page).
+    """
+    from .manager import REC_CURRENT, SPILLED
+
+    if not spilled:
+        return
+    slots, pids, nbytes = np.array(spilled, np.int64).T
+    moved = mgr.slot_pid[slots] == pids
+    mgr.pstamp[pids[moved]] = mgr.stamp[slots[moved]]
+    mgr.slot[pids[moved]] = -1
+    mgr.slot_pid[slots[moved]] = -1
+    wrote = nbytes >= 0
+    mgr.spill_bytes += int(nbytes[wrote].sum()) - int(mgr.rec_bytes[pids[wrote]].sum())
+    mgr.rec_bytes[pids[wrote]] = nbytes[wrote]
+    mgr.rec[pids] = REC_CURRENT
+    committed = mgr.slot_cpid[slots] == pids
+    mgr.c_where[pids[committed]] = SPILLED
+    mgr.slot_cpid[slots[committed]] = -1
+    mgr.free_slots.extend(slots.tolist())
 
 
 def _choose(mgr: BlockManager, count: int) -> list[int]:
