@@ -11,6 +11,7 @@ overwritten before a commit has moved them (see ``persist.py`` for the commit).
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Callable
 
 import numpy as np
@@ -55,8 +56,12 @@ class BlockManager:
         self.tick = 0
         self._cap = 0
         self.hashing = False
+        if geom.page_size <= np.iinfo(np.uint16).max:  # fills fit in two bytes: two fewer per column
+            fill = (np.uint16, 0)
+            self._COLUMNS = {**self._COLUMNS, "fill": fill, "c_fill": fill}
         self._grow(max(64, self.pool_pages))
-        self.free_pids: list[int] = list(range(self._cap - 1, -1, -1))
+        # Spare rows as a machine-int array: a list would hold an int object per row.
+        self.free_pids = array("q", range(self._cap - 1, -1, -1))
         self.slot_pid = np.full(self.pool_pages, -1, np.int64)
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)
         self.stamp = np.zeros(self.pool_pages, np.int64)

@@ -7,6 +7,7 @@ transaction records directory, block tables, LRU stamps and counters together.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import msgpack
@@ -249,7 +250,7 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     rows = np.frombuffer(b"".join(values), dtype=_DIR_DTYPE)
     if mgr._cap < count + 1:
         mgr._grow(count + max(64, count // 8))
-    mgr.free_pids = list(range(mgr._cap - 1, count - 1, -1))
+    mgr.free_pids = array("q", range(mgr._cap - 1, count - 1, -1))
     pids = np.arange(count)
     where = rows["where"].astype(np.int32)
     fill = rows["fill"].astype(np.int64)
@@ -276,8 +277,7 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
         mgr.parent[:count] = rows["parent"]
     mgr.rec_bytes[:count] = [record_sizes.get(key, 0) for key in keys]
     mgr.spill_bytes = sum(record_sizes.values())
-    for pid in np.flatnonzero(flags & HASHED).tolist():
-        mgr.prefix.add(bytes(mgr.hash[pid]), pid)
+    mgr.prefix.add_many(np.flatnonzero(flags & HASHED), mgr.hash)
     mgr.slot_pid[where[resident]] = pids[resident]
     mgr.slot_cpid[where[resident]] = pids[resident]
     if len(stamps) == 8 * mgr.pool_pages:

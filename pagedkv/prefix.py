@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from .errors import PagedKVError
+from .rowindex import RowIndex
 
 ROOT = bytes(16)  # parent hash of a sequence's first page
 TOKEN_DTYPE = np.dtype("<u4")
@@ -51,12 +52,16 @@ def as_token_ids(tokens: Any, count: int | None = None) -> np.ndarray:
 
 
 class PrefixIndex:
-    """hash -> page row for every live full page that can be shared."""
+    """hash -> page row for every live full page that can be shared.
+
+    The rows sit in a ``RowIndex`` keyed by the directory's own ``hash`` column,
+    so an indexed page costs a few bytes of table rather than a dict entry.
+    """
 
     def __init__(self, salt: bytes, page_size: int) -> None:
         self.salt = salt
         self.page_size = page_size
-        self.by_hash: dict[bytes, int] = {}
+        self.index = RowIndex()
 
     def match(self, token_ids: np.ndarray, max_pages: int, mgr: Any) -> list[int]:
         """Page rows of the longest cached run of full pages that starts ``token_ids``.
@@ -71,7 +76,7 @@ class PrefixIndex:
         for index in range(max_pages):
             chunk = token_ids[index * size:(index + 1) * size]
             digest = chain_hash(parent, self.salt, chunk)
-            pid = self.by_hash.get(digest)
+            pid = self.index.get(digest, mgr.hash)
             if pid is None or int(mgr.parent[pid]) != parent_uid:
                 break
             stored = mgr.page_tokens_of(pid)
@@ -81,21 +86,25 @@ class PrefixIndex:
             parent, parent_uid = digest, int(mgr.uid[pid])
         return found
 
-    def add(self, digest: bytes, pid: int) -> bool:
-        """Index ``pid`` under ``digest`` unless another page already holds it."""
-        if digest in self.by_hash:
-            return False
-        self.by_hash[digest] = pid
-        return True
+    def add(self, digest: bytes, pid: int, hashes: np.ndarray) -> bool:
+        """Index ``pid`` (``hashes[pid]`` is ``digest``) unless another page already holds it."""
+        return self.index.add(digest, pid, hashes)
+
+    def add_many(self, pids: np.ndarray, hashes: np.ndarray) -> None:
+        """``add`` for every page of ``pids`` in order (a reopen rebuilding the index)."""
+        self.index.add_many(pids, hashes)
 
     def discard(self, digest: bytes, pid: int) -> None:
         """Forget ``digest`` if it points at ``pid``."""
-        if self.by_hash.get(digest) == pid:
-            del self.by_hash[digest]
+        self.index.discard(digest, pid)
 
     def holds(self, digest: bytes, pid: int) -> bool:
         """Whether ``pid`` is the page the index serves for ``digest``."""
-        return self.by_hash.get(digest) == pid
+        return self.index.holds(digest, pid)
+
+    def pages(self) -> np.ndarray:
+        """Every indexed page row."""
+        return self.index.rows()
 
 
 def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
@@ -134,4 +143,4 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     mgr.parent[pid] = mgr.uid[parent] if parent >= 0 else 0
     mgr.flags[pid] |= HASHED
     mgr.chg[pid] = True
-    mgr.prefix.add(digest, pid)
+    mgr.prefix.add(digest, pid, mgr.hash)

@@ -410,9 +410,13 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def maps_count() -> int:
+def maps_count(under: str | os.PathLike | None = None) -> int:
+    """Mappings of this process; with ``under``, only those of files below that directory."""
     with open("/proc/self/maps", "rb") as fh:
-        return sum(1 for _ in fh)
+        if under is None:
+            return sum(1 for _ in fh)
+        prefix = os.fsencode(os.path.realpath(under)) + b"/"
+        return sum(1 for line in fh if line.rstrip(b"\n").split(b" ")[-1].startswith(prefix))
 
 
 def proc_status_kib(key: str) -> int:

@@ -213,7 +213,10 @@ def index_problems(store: pagedkv.KVStore) -> list[str]:
 
     mgr = store._mgr
     problems = []
-    for digest, pid in mgr.prefix.by_hash.items():
+    for pid in mgr.prefix.pages().tolist():
+        digest = bytes(mgr.hash[pid])
+        if not mgr.prefix.holds(digest, pid):
+            problems.append(f"page row {pid} is indexed off its hash's probe path")
         if not mgr.live[pid]:
             problems.append(f"index entry {digest.hex()} names freed row {pid}")
         elif bytes(mgr.hash[pid]) != digest or not mgr.flags[pid] & HASHED:

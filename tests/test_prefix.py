@@ -377,14 +377,14 @@ def test_stale_hash_mapping_after_page_reuse_never_serves_wrong_kv(pstores, seed
     prefill(store, "a", first)
     store.drop("a")
     store.commit()
-    old_rows = set(store._mgr.prefix.by_hash.values())
+    old_rows = set(store._mgr.prefix.pages().tolist())
     reused_rows = False
     for r in range(12):  # newer cached prompts push the old ones out of the cache
         prefill(store, r, np.concatenate([first[:PS] if r % 3 == 0 else prompt(rng, PS),
                                           prompt(rng, 2 * PS + 1)]))
         store.drop(r)
         store.commit()
-        reused_rows |= bool(old_rows & set(store._mgr.prefix.by_hash.values()))
+        reused_rows |= bool(old_rows & set(store._mgr.prefix.pages().tolist()))
         assert index_problems(store) == []
         assert store.stats()["spill_bytes"] <= 4 * (PAGE_BYTES + 128)
     assert store.stats()["cache_drops"] > 0 and reused_rows

@@ -1,0 +1,133 @@
+"""A compact hash table of directory rows keyed by the 16-byte digests those rows hold.
+
+The prefix index maps a page's chained hash to its directory row. A dict would
+keep a 16-byte key object and an int per page (about 120 bytes with the table);
+the digest is already in the directory's ``hash`` column, so this table keeps
+only the row: an int32 per slot, open addressing with linear probing, at most
+70% full. The caller passes the current ``hash`` column to every call that
+compares keys (the column is replaced when the directory grows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY, GONE = -1, -2  # a never-used slot; a slot whose row was removed (probing goes on)
+_MIN_SLOTS = 1024
+
+
+def _homes(digests: np.ndarray, mask: int) -> np.ndarray:
+    """Home slots of 16-byte digests (a V16 array): their first 8 bytes, little-endian."""
+    return (np.ascontiguousarray(digests).view("<u8")[::2] & np.uint64(mask)).astype(np.int64)
+
+
+class RowIndex:
+    """digest -> row for rows whose digest is ``hashes[row]``; one row per digest."""
+
+    def __init__(self) -> None:
+        self.slots = np.full(_MIN_SLOTS, EMPTY, np.int32)
+        self.count = 0  # rows held
+        self.used = 0  # slots not EMPTY (rows and GONE marks): what bounds probe lengths
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _home(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "little") & (len(self.slots) - 1)
+
+    def get(self, digest: bytes, hashes: np.ndarray) -> int | None:
+        """The row held for ``digest``, or None."""
+        slots, mask = self.slots, len(self.slots) - 1
+        at = self._home(digest)
+        while True:
+            row = int(slots[at])
+            if row == EMPTY:
+                return None
+            if row >= 0 and hashes[row].tobytes() == digest:
+                return row
+            at = (at + 1) & mask
+
+    def _find(self, digest: bytes, row: int) -> int:
+        """The slot holding ``row`` on ``digest``'s probe path, or -1."""
+        slots, mask = self.slots, len(self.slots) - 1
+        at = self._home(digest)
+        while True:
+            found = int(slots[at])
+            if found == row:
+                return at
+            if found == EMPTY:
+                return -1
+            at = (at + 1) & mask
+
+    def holds(self, digest: bytes, row: int) -> bool:
+        """Whether ``row`` is the row held for ``digest`` (its own digest)."""
+        return self._find(digest, row) >= 0
+
+    def add(self, digest: bytes, row: int, hashes: np.ndarray) -> bool:
+        """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless the digest is held."""
+        slots, mask = self.slots, len(self.slots) - 1
+        at, reuse = self._home(digest), -1
+        while True:
+            found = int(slots[at])
+            if found == EMPTY:
+                break
+            if found == GONE:
+                reuse = at if reuse < 0 else reuse
+            elif hashes[found].tobytes() == digest:
+                return False
+            at = (at + 1) & mask
+        if reuse < 0:
+            reuse = at
+            self.used += 1
+        slots[reuse] = row
+        self.count += 1
+        if 10 * self.used > 7 * len(slots):
+            self._rebuild(hashes)
+        return True
+
+    def discard(self, digest: bytes, row: int) -> None:
+        """Stop holding ``row`` under ``digest`` (nothing if it is not held)."""
+        at = self._find(digest, row)
+        if at >= 0:
+            self.slots[at] = GONE
+            self.count -= 1
+
+    def rows(self) -> np.ndarray:
+        """Every row held, in slot order."""
+        return self.slots[self.slots >= 0].astype(np.int64)
+
+    def add_many(self, rows: np.ndarray, hashes: np.ndarray) -> None:
+        """``add`` for many rows at once, the first of equal digests winning (a reopen's rebuild)."""
+        rows = np.asarray(rows, np.int64)
+        if not len(rows):
+            return
+        held = self.rows()
+        keys = np.ascontiguousarray(hashes[np.concatenate([held, rows])]).view("<u8").reshape(-1, 2)
+        _, first = np.unique(keys, axis=0, return_index=True)
+        fresh = np.sort(first[first >= len(held)]) - len(held)  # digests not held yet, first rows
+        self._rebuild(hashes, np.concatenate([held, rows[fresh]]))
+
+    def _rebuild(self, hashes: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Lay ``rows`` (default: those held) out afresh in a table at most half full.
+
+        The next rebuild comes at 70% use, so at least a fifth of the table's size
+        in adds lies between two rebuilds: each costs O(1) per add, amortised.
+        """
+        rows = self.rows() if rows is None else rows
+        size = _MIN_SLOTS
+        while size < 2 * len(rows):
+            size *= 2
+        slots = np.full(size, EMPTY, np.int32)
+        at = _homes(hashes[rows], size - 1)
+        pending = np.arange(len(rows))
+        while len(pending):  # one probe step for every row not placed yet
+            want = at[pending]
+            free = slots[want] == EMPTY
+            taken, first = np.unique(want[free], return_index=True)
+            winners = pending[free][first]
+            slots[taken] = rows[winners]
+            placed = np.zeros(len(rows), bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            at[pending] = (at[pending] + 1) & (size - 1)
+        self.slots, self.count, self.used = slots, len(rows), len(rows)
