@@ -10,6 +10,8 @@ compares keys (the column is replaced when the directory grows).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 
 EMPTY, GONE = -1, -2  # a never-used slot; a slot whose row was removed (probing goes on)
@@ -32,32 +34,30 @@ class RowIndex:
     def __len__(self) -> int:
         return self.count
 
-    def _home(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], "little") & (len(self.slots) - 1)
+    def _path(self, digest: bytes) -> Iterator[tuple[int, int]]:
+        """(slot, row) along ``digest``'s probe path, ending with its first EMPTY slot."""
+        slots, mask = self.slots, len(self.slots) - 1
+        at = int.from_bytes(digest[:8], "little") & mask
+        while True:
+            row = int(slots[at])
+            yield at, row
+            if row == EMPTY:
+                return
+            at = (at + 1) & mask
 
     def get(self, digest: bytes, hashes: np.ndarray) -> int | None:
         """The row held for ``digest``, or None."""
-        slots, mask = self.slots, len(self.slots) - 1
-        at = self._home(digest)
-        while True:
-            row = int(slots[at])
-            if row == EMPTY:
-                return None
+        for _, row in self._path(digest):
             if row >= 0 and hashes[row].tobytes() == digest:
                 return row
-            at = (at + 1) & mask
+        return None
 
     def _find(self, digest: bytes, row: int) -> int:
         """The slot holding ``row`` on ``digest``'s probe path, or -1."""
-        slots, mask = self.slots, len(self.slots) - 1
-        at = self._home(digest)
-        while True:
-            found = int(slots[at])
+        for at, found in self._path(digest):
             if found == row:
                 return at
-            if found == EMPTY:
-                return -1
-            at = (at + 1) & mask
+        return -1
 
     def holds(self, digest: bytes, row: int) -> bool:
         """Whether ``row`` is the row held for ``digest`` (its own digest)."""
@@ -65,23 +65,18 @@ class RowIndex:
 
     def add(self, digest: bytes, row: int, hashes: np.ndarray) -> bool:
         """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless the digest is held."""
-        slots, mask = self.slots, len(self.slots) - 1
-        at, reuse = self._home(digest), -1
-        while True:
-            found = int(slots[at])
-            if found == EMPTY:
-                break
-            if found == GONE:
-                reuse = at if reuse < 0 else reuse
-            elif hashes[found].tobytes() == digest:
+        reuse = at = -1
+        for at, found in self._path(digest):
+            if found == GONE and reuse < 0:
+                reuse = at
+            elif found >= 0 and hashes[found].tobytes() == digest:
                 return False
-            at = (at + 1) & mask
-        if reuse < 0:
+        if reuse < 0:  # the path's empty end
             reuse = at
             self.used += 1
-        slots[reuse] = row
+        self.slots[reuse] = row
         self.count += 1
-        if 10 * self.used > 7 * len(slots):
+        if 10 * self.used > 7 * len(self.slots):
             self._rebuild(hashes)
         return True
 

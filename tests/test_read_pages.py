@@ -10,6 +10,7 @@ import pytest
 
 import pagedkv
 from pagedkv import PageCorrupt, PagedKVError, SequenceNotFound
+from faultkit import flip_bit
 from support import GEOM, Model, assert_same_bits
 
 PS = GEOM.page_size
@@ -88,11 +89,7 @@ def test_readonly_handle_and_corrupt_slot(stores) -> None:
     for seq in range(3):
         assert_same_bits(reader.read_pages(seq), expected[seq], f"read-only pages of {seq}")
     reader.close()
-    with open(os.path.join(store.path, "pool.bin"), "r+b") as f:  # one flipped bit in slot 1
-        f.seek(4096 + GEOM.page_nbytes + 17)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x04]))
+    flip_bit(os.path.join(store.path, "pool.bin"), 4096 + GEOM.page_nbytes + 17, 2)  # in slot 1
     store = stores.open(geom=None, pool_pages=None)
     outcomes = []
     for seq in range(3):

@@ -16,6 +16,7 @@ import pagedkv
 from pagedkv import (Geometry, GeometryMismatch, PageCorrupt, PagedKVError, PoolExhausted,
                      ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt, StoreLocked)
+from faultkit import flip_bit
 from support import GEOM, Model, assert_same_bits, check_step_outputs, engine_write, kv
 
 PS = GEOM.page_size
@@ -991,11 +992,7 @@ def test_corrupt_pool_slot_fails_closed_after_reopen(stores) -> None:
         filled(store, model, i, PS)
     store.close()
     path = os.path.join(store.path, "pool.bin")
-    with open(path, "r+b") as f:  # flip one bit somewhere in the first three slots
-        f.seek(4096 + GEOM.page_nbytes + 17)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x04]))
+    flip_bit(path, 4096 + GEOM.page_nbytes + 17, 2)  # one bit somewhere in the first three slots
     store = stores.open(geom=None, pool_pages=None)
     outcomes = []
     for i in range(3):
