@@ -17,8 +17,8 @@ import xxhash
 
 from . import spillcodecs
 from .errors import PageCorrupt
-from .spillcodecs import CODECS
 from .geometry import Geometry
+from .spillcodecs import CODECS
 
 FORMAT_VERSION = 1
 
@@ -116,7 +116,7 @@ class RecordLayout:
     version wrote can be recognised by comparing bytes (``match_raw``).
     """
 
-    __slots__ = ("dtype", "np_dtype", "page_shape", "page_nbytes", "_shape")
+    __slots__ = ("_shape", "dtype", "np_dtype", "page_nbytes", "page_shape")
 
     def __init__(self, geom: Geometry) -> None:
         self.dtype = geom.dtype

@@ -14,9 +14,9 @@ import numpy as np
 
 from . import faults
 from .codec import encode_spill, page_checksum
-from .spillcodecs import CODECS
 from .errors import StoreFull
 from .spill import uid_key
+from .spillcodecs import CODECS
 
 if TYPE_CHECKING:
     from .manager import BlockManager

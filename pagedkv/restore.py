@@ -41,7 +41,8 @@ def restore(mgr: BlockManager, pids: np.ndarray) -> None:
         raise bad
 
 
-def _restore_batch(mgr: BlockManager, pids: np.ndarray, slots: list[int]) -> tuple[list[int], PageCorrupt | None]:
+def _restore_batch(mgr: BlockManager, pids: np.ndarray,
+                   slots: list[int]) -> tuple[list[int], PageCorrupt | None]:
     """Restore ``pids`` into ``slots`` in one read transaction; return the slots filled and the first failure.
 
     A corrupt page hands its slot back and is marked corrupt. On any other
