@@ -1,4 +1,5 @@
-"""The batched commit helpers produce exactly the bytes of their one-page reference forms."""
+"""The commit side: batched helpers match their one-page reference forms; the pool flush
+precedes the transaction that references it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import persist
+from pagedkv import faults, persist
 from pagedkv.codec import page_checksum
 from pagedkv.geometry import Geometry
+from pagedkv.spill import SpillStore
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
@@ -63,4 +65,24 @@ def test_pack_tables_matches_msgpack(tmp_path: Path) -> None:
         assert persist.pack_tables(mgr, seqs) == want
         assert persist.pack_tables(mgr, []) == []
     finally:
+        store.close()
+
+
+def test_durable_commit_flushes_before_its_transaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    geom = Geometry(layers=1, kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+    store = pagedkv.open(str(tmp_path / "s"), geom, pool_pages=32)
+    events: list[str] = []
+    write = SpillStore.write
+    monkeypatch.setattr(SpillStore, "write", lambda self, body, what="commit": (events.append(what),
+                                                                               write(self, body, what))[1])
+    faults.set_flush_recorder(lambda target, start, end: events.append("flush"))
+    try:
+        store.create("a")
+        k = np.ones((1, 6, 2, 8), np.float16)
+        store.append("a", k, k)
+        events.clear()
+        store.commit()
+        assert "flush" in events and events.index("flush") < events.index("commit")
+    finally:
+        faults.set_flush_recorder(None)
         store.close()
