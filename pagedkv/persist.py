@@ -188,16 +188,15 @@ def refresh_checksums(mgr: BlockManager, pids: np.ndarray) -> None:
     slots, fills = mgr.slot[pids].astype(np.int64), mgr.fill[pids].astype(np.int64)
     idents = np.empty(len(pids), _IDENT_DTYPE)
     idents["uid"], idents["fill"] = mgr.uid[pids], fills
-    blob, size = idents.tobytes(), _IDENT_DTYPE.itemsize
-    ident = [blob[at:at + size] for at in range(0, len(blob), size)]
+    ident, size = idents.tobytes(), _IDENT_DTYPE.itemsize
     csums = np.empty(len(pids), np.uint64)
     full = fills == page_size
     if full.any():
         whole, nbytes = np.flatnonzero(full), geom.page_nbytes
         with memoryview(rows).cast("B") as pool_bytes:
             values = []
-            for at, first in zip(whole.tolist(), (slots[whole] * nbytes).tolist()):
-                hasher = xxhash.xxh3_64(ident[at], seed)
+            for at, first in zip((whole * size).tolist(), (slots[whole] * nbytes).tolist()):
+                hasher = xxhash.xxh3_64(ident[at:at + size], seed)
                 hasher.update(pool_bytes[first:first + nbytes])
                 values.append(hasher.intdigest())
         csums[whole] = values
@@ -218,14 +217,15 @@ def refresh_checksums(mgr: BlockManager, pids: np.ndarray) -> None:
             data = memoryview(np.take(rows, taken, axis=0)).cast("B")
             highs = (np.cumsum(fills[batch]) * (planes * row_nbytes)).tolist()
             values, low = [], 0
-            for at, high in zip(batch.tolist(), highs):
-                hasher = xxhash.xxh3_64(ident[at], seed)
+            for at, high in zip((batch * size).tolist(), highs):
+                hasher = xxhash.xxh3_64(ident[at:at + size], seed)
                 hasher.update(data[low:high])
                 values.append(hasher.intdigest())
                 low = high
             csums[batch] = values
     mgr.csum[pids] = csums
     mgr.csum_ok[pids] = True
+
 
 def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
     """Rebuild the directory and the sequences from the last commit; O(metadata)."""
