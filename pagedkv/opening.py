@@ -216,10 +216,7 @@ def _open_existing(path: str, opts: StoreOptions, lock: Any) -> KVStore:
         make_private_dir(path)
     pool = PagePool.open(os.path.join(path, POOL_FILE), writable=not opts.readonly)
     try:
-        live_writer = opts.readonly and lock_holder(os.path.join(path, LOCK_FILE)) is not None
-        spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=opts.readonly, create=False,
-                           sync=opts.durability == "durable", map_size=opts.map_size,
-                           register_reader=not opts.readonly or live_writer)
+        spill = _open_spill(path, opts)
     except BaseException:
         pool.close()
         raise
@@ -228,6 +225,27 @@ def _open_existing(path: str, opts: StoreOptions, lock: Any) -> KVStore:
     except BaseException:
         pool.close()
         raise
+
+
+def _open_spill(path: str, opts: StoreOptions) -> SpillStore:
+    """The spill store; beside a live writer, checked again when its file looked damaged."""
+    lock_path = os.path.join(path, LOCK_FILE)
+    for attempt in range(_LIVE_ATTEMPTS):
+        live_writer = opts.readonly and lock_holder(lock_path) is not None
+        try:
+            return SpillStore(os.path.join(path, SPILL_DIR), readonly=opts.readonly, create=False,
+                              sync=opts.durability == "durable", map_size=opts.map_size,
+                              register_reader=not opts.readonly or live_writer)
+        except StoreCorrupt:
+            # The checks read data.mdb before LMDB maps it, while the writer's commits
+            # reuse free pages: a page rewritten mid-walk looks like damage. Real
+            # damage stays on every look; a writer's churn does not.
+            if not live_writer or attempt == _LIVE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_LIVE_ATTEMPTS = 5
 
 
 def assemble(path: str, pool: PagePool, spill: SpillStore, opts: StoreOptions, lock: Any) -> KVStore:
