@@ -73,6 +73,7 @@ class BlockManager:
         self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
         self.prefix = PrefixIndex(salt, geom.page_size)
         self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
+        self.tokens_seen = False  # whether any page was ever given token ids (HAS_TOKENS)
         self.spill_bytes = 0  # bytes of page records in LMDB
         self.spill_limit = spill_limit
         self.spill_codec = spill_codec

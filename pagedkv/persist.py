@@ -271,6 +271,7 @@ def load(mgr: BlockManager, writer: bool) -> tuple[dict[bytes, Sequence], dict[s
     flags = rows["flags"]
     mgr.flags[:count] = mgr.c_flags[:count] = flags & ((1 << CODEC_SHIFT) - 1)
     mgr.codec[:count] = (flags >> CODEC_SHIFT) & 3
+    mgr.tokens_seen = bool((flags & HAS_TOKENS).any())
     if (flags & HASHED).any() or rows["parent"].any():
         mgr.track_hashes()
         mgr.hash[:count] = rows["hash"]

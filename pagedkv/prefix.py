@@ -120,6 +120,7 @@ def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) 
     head = previous[:offset] if previous is not None else np.empty(0, TOKEN_DTYPE)
     mgr.page_tokens[pid] = np.concatenate([head, token_ids])
     mgr.flags[pid] |= HAS_TOKENS
+    mgr.tokens_seen = True
 
 
 def seal(mgr: Any, pid: int, parent: int) -> None:

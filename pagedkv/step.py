@@ -71,6 +71,10 @@ def parse_counts(new_tokens: Any) -> list[int]:
     return counts
 
 
+# Up to this many rows, per-row scalar updates cost less than numpy's per-call overhead.
+_FEW = 4
+
+
 class _Batch:
     """The previous step's sequences and block table, reusable while nothing they depend on changed.
 
@@ -120,7 +124,8 @@ def begin(store: KVStore, step: Step) -> None:
     count = len(seqs)
     counts = np.asarray(step.new_tokens, np.int64)
     new_npages = -(-(lengths + counts) // page_size)
-    tables, reused = _tables(store, step, seqs, npages, int(new_npages.max()), batch)
+    new_pages = int((new_npages - npages).sum())
+    tables, reused = _tables(store, step, seqs, npages, int(new_npages.max()), batch, new_pages)
     rows = np.arange(count)
     last_slots = tables[rows, np.maximum(npages - 1, 0)]
     last_pids = np.where(npages > 0, mgr.slot_pid[last_slots], -1)
@@ -129,7 +134,7 @@ def begin(store: KVStore, step: Step) -> None:
     held = tables[tables >= 0]
     if reused:
         mgr.stats.add("resident_hits", len(held))
-    needed = len(held) + int((new_npages - npages).sum()) + int(cow.sum())
+    needed = len(held) + new_pages + int(cow.sum())
     if needed > mgr.available():
         needed = pages_needed(store, seqs, step.new_tokens)
         if needed > mgr.available():
@@ -153,8 +158,14 @@ def begin(store: KVStore, step: Step) -> None:
         inplace = np.flatnonzero(partial & ~cow & (new_npages == npages))
         if len(inplace):
             pids = last_pids[inplace]
-            mgr.mark_written_many(pids, last_fill[inplace] + counts[inplace])
-            _inplace_tokens(store, step, seqs, inplace, pids, lengths % page_size)
+            fills = last_fill[inplace] + counts[inplace]
+            if len(inplace) <= _FEW:
+                for pid, fill in zip(pids.tolist(), fills.tolist()):
+                    mgr.mark_written(pid, fill)
+            else:
+                mgr.mark_written_many(pids, fills)
+            if step.token_ids or mgr.tokens_seen:
+                _inplace_tokens(store, step, seqs, inplace, pids, lengths % page_size)
     except BaseException:
         end(store, step, ok=False)
         raise
@@ -173,7 +184,7 @@ def begin(store: KVStore, step: Step) -> None:
 
 
 def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray,
-            width: int, batch: _Batch | None) -> tuple[np.ndarray, bool]:
+            width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool]:
     """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
 
     Also says whether the table is the last step's (its pages counted as hits here).
@@ -187,10 +198,11 @@ def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray
         wider[:, :tables.shape[1]] = tables
         return wider, True
     pids = np.concatenate([seq.table for seq in seqs])
-    needed = pages_needed(store, seqs, step.new_tokens)
-    if needed > mgr.available():
-        raise PoolExhausted(
-            f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    if len(pids) + new_pages + len(seqs) > mgr.available():  # shared pages and copies: count exactly
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
     slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
     mgr.verify_many(pids)
     tables = np.full((len(seqs), max(width, 1)), -1, np.int32)

@@ -132,3 +132,27 @@ def kv_of(model: Model, seq) -> tuple:
     k, v = model.next_kv(seq, 1)
     model.undo(seq, model.lens[seq] - 1)
     return k, v
+
+
+def test_step_without_ids_forgets_ids_of_a_reopened_partial_page(stores) -> None:
+    """A step that writes tokens without ids into a page whose earlier ids are known (from
+    before a reopen) must leave that page unshareable: its ids are no longer all known."""
+    store = stores.open(pool_pages=8)
+    model = Model(11)
+    store.create("a")
+    model.create("a")
+    ids = list(range(100, 100 + PS + 2))  # one full page and two tokens of the next, with ids
+    store.append("a", *model.next_kv("a", PS + 2), tokens=ids)
+    store = stores.reopen(store)
+    for _ in range(PS - 2):  # fill the partial page through steps that give no ids
+        _step(store, model, {"a": 1}, fail=False)
+    assert store.length("a") == 2 * PS
+    from pagedkv.manager import HAS_TOKENS
+
+    second = int(store._seqs["a"].pids[1])
+    assert not store._mgr.flags[second] & HAS_TOKENS, "the page still claims to know every id"
+    # only the first page may be served: the second's last ids were never given
+    assert store.lookup(ids[:PS + 2] + [7] * (PS - 2) + [0]) == PS
+    store = stores.reopen(store)
+    assert store.lookup(ids[:PS + 2] + [7] * (PS - 2) + [0]) == PS
+    model.verify_all(store)
