@@ -1,8 +1,8 @@
-"""The block manager: page directory, slots, LRU, pins, eviction to spill and restore.
+"""The block manager: slots, LRU, pins, eviction to spill and restore, over the page directory.
 
-The directory is a set of numpy columns indexed by a dense, recycled row id
-(``pid``); a page's public identity is its ``uid`` (64-bit, never reused). Two
-views of placement are kept: the live one (``slot``) and the committed one
+The directory (``directory.py``) is a set of numpy columns indexed by a dense,
+recycled row id (``pid``); a page's public identity is its ``uid``. Two views of
+placement are kept: the live one (``slot``) and the committed one
 (``c_where``: what the last LMDB transaction says). A slot is reusable only when
 neither view references it, which is what keeps committed bytes from being
 overwritten before a commit has moved them (see ``persist.py`` for the commit).
@@ -11,31 +11,30 @@ overwritten before a commit has moved them (see ``persist.py`` for the commit).
 from __future__ import annotations
 
 import struct
-from array import array
 from typing import Callable
 
 import numpy as np
 
 from .codec import page_checksum
+from .directory import (CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE,
+                        SPILLED, Directory)
 from .errors import PageCorrupt, PoolExhausted
 from .evict import evict as evict_batch
-from .restore import restore
 from .geometry import Geometry
 from .pool import PagePool
 from .prefix import PrefixIndex
+from .restore import restore
 from .spill import SpillStore, uid_key
 from .stats import Stats
 
-NOWHERE = -2  # c_where of a page no commit has recorded
-SPILLED = -1
-REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
-HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
-CODEC_SHIFT = 4  # directory flags bits 4-5: codec of the page's spill record
+__all__ = ["BlockManager", "CODEC_SHIFT", "DIR_ENTRY", "HAS_TOKENS", "HASHED", "NOWHERE", "REC_CURRENT",
+           "REC_NONE", "REC_STALE", "SPILLED", "dir_entry"]
+
 # Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
 DIR_ENTRY = struct.Struct("<iIQI16sQ")  # ... and the uid of the parent page of a hashed page
 
 
-class BlockManager:
+class BlockManager(Directory):
     """Owns every page: where it lives, who references it, and when it is evicted."""
 
     def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
@@ -52,16 +51,8 @@ class BlockManager:
         # A batch amortises one synced transaction over many pages, but never empties
         # a small pool in one go.
         self.evict_batch = max(1, min(evict_batch, self.pool_pages // 4))
-        self.next_uid = 1
         self.tick = 0
-        self._cap = 0
-        self.hashing = False
-        if geom.page_size <= np.iinfo(np.uint16).max:  # fills fit in two bytes: two fewer per column
-            fill = (np.uint16, 0)
-            self._COLUMNS = {**self._COLUMNS, "fill": fill, "c_fill": fill}
-        self._grow(max(64, self.pool_pages))
-        # Spare rows as a machine-int array: a list would hold an int object per row.
-        self.free_pids = array("q", range(self._cap - 1, -1, -1))
+        self._init_directory(max(64, self.pool_pages), geom.page_size)
         self.slot_pid = np.full(self.pool_pages, -1, np.int64)
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)
         self.stamp = np.zeros(self.pool_pages, np.int64)
@@ -83,74 +74,6 @@ class BlockManager:
         self.bg_pins = np.zeros(self.pool_pages, np.int32)
         self.wait_background: Callable[[], None] | None = None
 
-    # -- directory columns -------------------------------------------------
-    _COLUMNS = {
-        "uid": (np.uint64, 0), "slot": (np.int32, -1), "fill": (np.int32, 0),
-        "csum": (np.uint64, 0), "csum_ok": (np.bool_, True),
-        "verified": (np.bool_, True), "rec": (np.int8, REC_NONE), "live": (np.bool_, False),
-        "corrupt": (np.bool_, False), "c_where": (np.int32, NOWHERE), "c_fill": (np.int32, 0),
-        "c_csum": (np.uint64, 0), "flags": (np.uint8, 0), "c_flags": (np.uint8, 0),
-        "hash": (np.dtype("V16"), b""), "ref": (np.int32, 0), "c_ref": (np.int32, 0),
-        "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
-        "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
-        "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
-        "parent": (np.uint64, 0),  # uid of the page a hashed page follows (0: first page)
-        "gen": (np.uint32, 0),  # bumped on every write, so background work can tell
-    }
-
-    # Only pages given token ids are hashed; until the first one, these columns are
-    # zero-stride views of their default, so a store that never hashes pays nothing.
-    _SPARSE = ("hash", "parent")
-
-    def _grow(self, capacity: int) -> None:
-        old = self._cap
-        for name, (dtype, default) in self._COLUMNS.items():
-            if name in self._SPARSE and not self.hashing:
-                column = np.broadcast_to(np.full(1, default, dtype=dtype), (capacity,))
-            else:
-                column = np.full(capacity, default, dtype=dtype)
-                if old:
-                    column[:old] = getattr(self, name)
-            setattr(self, name, column)
-        self._reset_pairs()
-        self._cap = capacity
-        if old:
-            self.free_pids.extend(range(capacity - 1, old - 1, -1))
-
-    def _reset_pairs(self) -> None:
-        # (column, default) pairs, so a new row is reset without a lookup per column.
-        self._defaults = [(getattr(self, name), default) for name, (_, default) in self._COLUMNS.items()
-                          if self.hashing or name not in self._SPARSE]
-
-    def track_hashes(self) -> None:
-        """Give the content-hash columns storage of their own (before the first hashed page)."""
-        if self.hashing:
-            return
-        self.hashing = True
-        for name in self._SPARSE:
-            dtype, default = self._COLUMNS[name]
-            setattr(self, name, np.full(self._cap, default, dtype=dtype))
-        self._reset_pairs()
-
-    def _reserve(self, count: int) -> None:
-        while len(self.free_pids) < count:
-            # Modest steps: metadata RAM is per page, and a copy per step is amortised anyway.
-            self._grow(self._cap + max(64, self._cap // 8))
-
-    def _new_pid(self, uid: int) -> int:
-        if not self.free_pids:
-            self._reserve(1)
-        pid = self.free_pids.pop()
-        for column, default in self._defaults:
-            column[pid] = default
-        self.uid[pid] = uid
-        self.live[pid] = True
-        return pid
-
-    def _recycle(self, pid: int) -> None:
-        self.live[pid] = False
-        self.free_pids.append(pid)
-
     # -- allocation --------------------------------------------------------
     def new_page(self) -> int:
         """A fresh, empty, resident page with refcount 1."""
@@ -171,14 +94,7 @@ class BlockManager:
         """
         count = len(fills)
         slots = np.array(self.take_slots(count), np.int64)
-        self._reserve(count)
-        pids = np.array(self.free_pids[:-count - 1:-1], np.int64)  # the order pop() gives
-        del self.free_pids[-count:]
-        for column, default in self._defaults:
-            column[pids] = default
-        self.uid[pids] = np.arange(self.next_uid, self.next_uid + count, dtype=np.uint64)
-        self.next_uid += count
-        self.live[pids] = True
+        pids = self._new_pids(count)
         self.ref[pids] = 1
         self.slot[pids] = slots
         self.slot_pid[slots] = pids
