@@ -107,6 +107,24 @@ class PrefixIndex:
         return self.index.rows()
 
 
+def share_prefix(mgr: Any, seq: Any, token_ids: np.ndarray) -> None:
+    """Start an empty ``seq`` with the longest cached run of full pages of ``token_ids``.
+
+    At most ``len(token_ids) - 1`` tokens are reused, so the engine always has a
+    token left to compute. The pages are shared (refcount up, no copy).
+    """
+    page_size = mgr.geom.page_size
+    pids = mgr.prefix.match(token_ids, max(len(token_ids) - 1, 0) // page_size, mgr)
+    for pid in pids:
+        seq.push(pid)
+    mgr.incref(np.asarray(pids, np.int64))
+    seq.length = len(pids) * page_size
+    mgr.stats.add("prefix_queries")
+    mgr.stats.add("prefix_query_tokens", len(token_ids))
+    mgr.stats.add("prefix_hit_tokens", seq.length)
+    mgr.stats.add("prefix_hit_pages", len(pids))
+
+
 def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
     """Record the ids of tokens ``[offset, offset + len)`` of a page (None: ids unknown)."""
     from .manager import HAS_TOKENS

@@ -21,6 +21,7 @@ class Stats:
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._lat = np.zeros(window, dtype=np.float64)
         self._lat_n = 0
+        self._carried: dict[str, int] = {}  # counter values already carried into a state record
 
     def add(self, name: str, amount: int = 1) -> None:
         """Increase counter ``name`` by ``amount``."""
@@ -30,6 +31,12 @@ class Stats:
         """Record one page restore's latency."""
         self._lat[self._lat_n % len(self._lat)] = seconds
         self._lat_n += 1
+
+    def carry(self, state: dict[str, Any], names: tuple[str, ...]) -> None:
+        """Add to ``state`` what counters ``names`` gained since the last carry (totals across sessions)."""
+        for name in names:
+            state[name] = int(state.get(name, 0)) + self.counts[name] - self._carried.get(name, 0)
+            self._carried[name] = self.counts[name]
 
     def snapshot(self) -> dict[str, float]:
         """Counters and restore latency summary in milliseconds (0 when nothing restored)."""

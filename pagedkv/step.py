@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
 from .prefix import as_token_ids, seal, write_tokens
 from .sequence import SeqId, Sequence
@@ -103,6 +104,15 @@ def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) ->
         if seq.length % page_size and mgr.ref[seq.pids[seq.npages - 1]] > 1:
             total += 1
     return total
+
+
+def fits(store: KVStore, new_tokens: Mapping[SeqId, int]) -> bool:
+    """``KVStore.can_step``: no sequence busy, and room for every page of the step at once."""
+    counts = parse_counts(new_tokens)
+    seqs = [store._seq(seq_id) for seq_id in new_tokens]
+    if any(not frozenset(seqs).isdisjoint(members) for members in store._busy.values()):
+        return False
+    return pages_needed(store, seqs, counts) <= store._mgr.available()
 
 
 def begin(store: KVStore, step: Step) -> None:
@@ -236,7 +246,7 @@ def _grow(store: KVStore, step: Step, seq: Sequence, count: int, row: np.ndarray
     if offset:
         last = int(seq.pids[seq.npages - 1])
         if mgr.ref[last] > 1:
-            last = store._cow_last(seq)
+            last = cow_last(store, seq)
             slot = int(mgr.slot[last])
             row[seq.npages - 1] = slot
             _pin(mgr, step, slot)

@@ -20,7 +20,7 @@ from .manager import BlockManager
 from .pool import PagePool
 from .prefetch import Prefetch, Prefetcher
 from .writebehind import WriteBehind
-from .prefix import as_token_ids, make_salt
+from .prefix import as_token_ids, make_salt, share_prefix
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
 from .stats import Stats, store_stats
@@ -48,7 +48,6 @@ class KVStore:
         self._no_steps = threading.Condition(self._lock)
         self._active_steps: dict[int, int] = {}
         self._stats = Stats()
-        self._counted: dict[str, int] = {}  # counter values already added to the state record
         self._prefetcher = Prefetcher(self)
         # Write-behind does not plan around a spill cap, so a capped store spills in the foreground.
         self._write_behind = (WriteBehind(self) if options.write_behind and not options.readonly
@@ -149,16 +148,7 @@ class KVStore:
             raise SequenceExists(f"sequence {seq_id!r} already exists")
         seq = Sequence(seq_id, key)
         if tokens is not None:
-            token_ids = as_token_ids(tokens)
-            pids = self._match(token_ids, max(len(token_ids) - 1, 0) // self.geometry.page_size)
-            for pid in pids:
-                seq.push(pid)
-            self._mgr.incref(np.asarray(pids, np.int64))
-            seq.length = len(pids) * self.geometry.page_size
-            self._stats.add("prefix_queries")
-            self._stats.add("prefix_query_tokens", len(token_ids))
-            self._stats.add("prefix_hit_tokens", seq.length)
-            self._stats.add("prefix_hit_pages", len(pids))
+            share_prefix(self._mgr, seq, as_token_ids(tokens))
         self._seqs[seq_id] = seq
         self._dirty[key] = seq
         self._dropped.discard(key)
@@ -169,11 +159,8 @@ class KVStore:
     def lookup(self, tokens: Any) -> int:
         """How many leading tokens of ``tokens`` are cached in full pages (possibly all); creates nothing."""
         token_ids = as_token_ids(tokens)
-        return len(self._match(token_ids, len(token_ids) // self.geometry.page_size)) \
-            * self.geometry.page_size
-
-    def _match(self, token_ids: np.ndarray, max_pages: int) -> list[int]:
-        return self._mgr.prefix.match(token_ids, max_pages, self._mgr)
+        page_size = self.geometry.page_size
+        return len(self._mgr.prefix.match(token_ids, len(token_ids) // page_size, self._mgr)) * page_size
 
     @_op(write=True)
     def append(self, seq_id: SeqId, k: np.ndarray, v: np.ndarray, tokens: Any = None) -> None:
@@ -190,9 +177,6 @@ class KVStore:
         datapath.append(self, seq, k, v, token_ids)
         self._dirty[seq.key] = seq
         self._stats.add("tokens_appended", count)
-
-    def _cow_last(self, seq: Sequence) -> int:
-        return datapath.cow_last(self, seq)
 
     def _truncate(self, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
         self._table_epoch += 1
@@ -277,12 +261,7 @@ class KVStore:
     @_op(write=False)
     def can_step(self, new_tokens: Mapping[SeqId, int]) -> bool:
         """Whether ``step(new_tokens)`` would find room for all its pages at once right now."""
-        counts = step_mod.parse_counts(new_tokens)
-        seqs = [self._seq(seq_id) for seq_id in new_tokens]
-        if any(not frozenset(seqs).isdisjoint(members) for members in self._busy.values()):
-            return False
-        needed = step_mod.pages_needed(self, seqs, counts)
-        return needed <= self._mgr.available()
+        return step_mod.fits(self, new_tokens)
 
     @_op(write=True)
     def _enter_step(self, step: Step) -> None:
@@ -328,11 +307,7 @@ class KVStore:
             return
         if self._mgr.wait_background is not None:
             self._mgr.wait_background()
-        # Prefix-cache counters accumulate across sessions, so inspect can show them.
-        counts = self._stats.counts
-        for name in PERSISTED_COUNTERS:
-            self._state[name] = int(self._state.get(name, 0)) + counts[name] - self._counted.get(name, 0)
-            self._counted[name] = counts[name]
+        self._stats.carry(self._state, PERSISTED_COUNTERS)  # so inspect shows totals across sessions
         self._state.update(next_uid=self._mgr.next_uid, tick=self._mgr.tick, time=time.time(),
                            commits=int(self._state.get("commits", 0)) + 1,
                            durability=self.durability)
