@@ -5,26 +5,24 @@
   every value is a multiple of 1/512 in [-1, 1), exact in float16 and float32, so the
   expected bytes are regenerated, never stored. ``model`` keys the content (KV of another
   model differs); ``positional=False`` makes it a function of the token id alone.
-* ``Stores``: opens stores under a temporary directory, closes what is left at teardown.
+* ``Stores``: ``support.Stores`` with this geometry and a 16-slot pool.
 * ``run_child_and_kill(body)``: run ``body`` in a forked child that acks over a pipe, then
   SIGKILL it; the parent never holds a store across the fork.
-* ``get_seed()``: ``PAGEDKV_SEED`` if set, else a fresh seed; printed either way.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
 import traceback
 import zlib
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 import pagedkv
+import support
 from pagedkv import Geometry
 
 GEOM = Geometry(layers=2, kv_heads=2, head_dim=4, page_size=8, dtype="float32")
@@ -33,14 +31,6 @@ PS = GEOM.page_size
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _M3 = np.uint64(0x9E3779B97F4A7C15)
-
-
-def get_seed(label: str = "") -> int:
-    """The seed of a randomised test: ``PAGEDKV_SEED`` if set, else a fresh one; printed."""
-    env = os.environ.get("PAGEDKV_SEED", "").strip()
-    seed = int(env, 0) if env else random.SystemRandom().randrange(1 << 32)
-    print(f"PAGEDKV_SEED={seed}" + (f" ({label})" if label else ""))
-    return seed
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -114,47 +104,12 @@ def assert_holds(store: pagedkv.KVStore, seq: Any, ids: Any, start: int = 0, sto
                                  f"{(bad + start).tolist()[:10]}")
 
 
-def engine_write(store: pagedkv.KVStore, step: pagedkv.Step, kvs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Write each row's new K/V into ``store.pool`` through ``step.slot_mapping`` (the engine's job)."""
-    pool, page_size = store.pool, store.geometry.page_size
-    mapping = step.slot_mapping.tolist()
-    i = 0
-    for k, v in kvs:
-        for j in range(k.shape[1]):
-            slot, offset = divmod(mapping[i], page_size)
-            pool[slot, :, 0, offset] = k[:, j]
-            pool[slot, :, 1, offset] = v[:, j]
-            i += 1
-    assert i == len(mapping)
-
-
-class Stores:
-    """Opens stores under ``root`` and closes whatever is left open at teardown."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.opened: list[pagedkv.KVStore] = []
-
-    def path(self, name: str = "store") -> Path:
-        return self.root / name
+class Stores(support.Stores):
+    """``support.Stores`` with this module's geometry and a 16-slot pool by default."""
 
     def open(self, name: str = "store", geom: Geometry | None = GEOM, pool_pages: int | None = 16,
              **kwargs: Any) -> pagedkv.KVStore:
-        store = pagedkv.open(self.root / name, geom, pool_pages, **kwargs)
-        self.opened.append(store)
-        return store
-
-    def reopen(self, store: pagedkv.KVStore, **kwargs: Any) -> pagedkv.KVStore:
-        """Close ``store`` (which commits) and open its directory again, geometry from disk."""
-        store.close()
-        return self.open(os.path.basename(store.path), None, None, **kwargs)
-
-    def close_all(self) -> None:
-        for store in self.opened:
-            try:
-                store._abandon() if store._poisoned else store.close()
-            except Exception:
-                store._abandon()
+        return super().open(name, geom, pool_pages, **kwargs)
 
 
 def run_child_and_kill(body: Callable[[Callable[[str], None]], None]) -> list[str]:

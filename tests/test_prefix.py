@@ -19,17 +19,12 @@ import pytest
 import pagedkv
 import pagedkv.prefix
 from pagedkv import Geometry, ModelMismatch, PagedKVError, StoreClosed, StoreFull
-from prefixkit import (GEOM, PS, Stores, assert_holds, engine_write, extend, get_seed, index_problems,
-                       prefill, prompt, run_child_and_kill, token_kv)
+from prefixkit import (GEOM, PS, Stores, assert_holds, extend, index_problems, prefill, prompt,
+                       run_child_and_kill, token_kv)
+from support import engine_write
 
 PAGE_BYTES = GEOM.layers * 2 * PS * GEOM.kv_heads * GEOM.head_dim * GEOM.itemsize
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def seed(request: pytest.FixtureRequest) -> int:
-    """A printed, replayable seed (``PAGEDKV_SEED`` overrides it)."""
-    return get_seed(request.node.nodeid)
 
 
 @pytest.fixture
