@@ -13,19 +13,11 @@ import numpy as np
 from . import open as open_store
 from .bench_ref import RefBlockManager
 from .bench_util import INFO, Ctx, Target, geom_params, interleave, kv_block, make_row, open_lmdb, timed
+from .files import disk_usage
 from .geometry import PRESETS, Geometry
 
 # Bookkeeping does not depend on page bytes: 64-byte pages keep the pool file tiny.
 META_GEOM = Geometry(layers=1, kv_heads=1, head_dim=1, page_size=16, dtype="float16")
-
-
-def _dir_bytes(path: str) -> int:
-    """Bytes allocated on disk under ``path`` (sparse files count what they use)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            total += os.stat(os.path.join(root, name)).st_blocks * 512
-    return total
 
 
 def b2_step(ctx: Ctx) -> list[dict[str, Any]]:
@@ -151,7 +143,7 @@ def b6_reopen(ctx: Ctx) -> list[dict[str, Any]]:
         spilled = store.stats()["spilled_pages"]
         store.close()
         build = time.perf_counter() - started
-        disk = _dir_bytes(path)
+        disk = disk_usage(path)
         times = []
         for _ in range(reps):
             seconds = time.perf_counter()

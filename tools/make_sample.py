@@ -21,6 +21,7 @@ import shutil
 import sys
 
 import pagedkv
+from pagedkv.files import disk_usage
 from pagedkv.kvgen import Request, check_read, expected_kv
 
 SEED = 2024
@@ -81,15 +82,6 @@ def build(path: str) -> dict[str, float]:
             raise SystemExit(f"sample store is inconsistent: {problems}")
         stats = store.stats()
     return stats
-
-
-def disk_usage(path: str) -> int:
-    """Bytes allocated on disk under ``path`` (what ``du`` counts)."""
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            total += os.lstat(os.path.join(root, name)).st_blocks * 512
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
