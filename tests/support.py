@@ -178,6 +178,20 @@ class Model:
             self.verify(store, seq)
 
 
+def build_committed(path: Path, seqs: dict[Any, int], seed: int, pool_pages: int,
+                    **open_kwargs: Any) -> Model:
+    """A closed store (GEOM) holding ``seqs`` (id -> tokens), one commit per sequence; its model."""
+    model = Model(seed)
+    store = pagedkv.open(path, GEOM, pool_pages, **open_kwargs)
+    for seq, tokens in seqs.items():
+        store.create(seq)
+        model.create(seq)
+        store.append(seq, *model.next_kv(seq, tokens))
+        store.commit()
+    store.close()
+    return model
+
+
 # -- the engine side of a step -----------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from faultkit import (DATA_MDB, HEADER_NBYTES, LOCK, LOCK_MDB, POOL, SPILL, Tall
 from pagedkv.codec import payload_checksum
 from pagedkv import (FormatVersionError, Geometry, GeometryMismatch, PageCorrupt, PagedKVError,
                      StoreCorrupt)
-from support import GEOM, Model, get_seed
+from support import GEOM, Model, build_committed, get_seed
 
 TYPED_OPEN = (StoreCorrupt, GeometryMismatch, FormatVersionError)
 
@@ -327,15 +327,7 @@ def write_records(path: Path, values: dict[int, bytes]) -> None:
 def t8_build(path: Path, seed: int, codec: str = "raw") -> tuple[Path, Model, dict, dict]:
     """A closed store with spilled pages, its spilled layout and the bytes every page reads as
     (for a lossy codec the reference is what the undamaged store returns, not the input)."""
-    model = Model(seed)
-    store = pagedkv.open(path, GEOM, T8_POOL, spill_codec=codec)
-    for seq, tokens in T8_SEQS.items():
-        store.create(seq)
-        model.create(seq)
-        k, v = model.next_kv(seq, tokens)
-        store.append(seq, k, v)
-        store.commit()
-    store.close()
+    model = build_committed(path, T8_SEQS, seed, T8_POOL, spill_codec=codec)
     layout = spilled_layout(path, model)
     assert len(layout) >= 30, len(layout)
     reference = {}

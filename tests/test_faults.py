@@ -30,7 +30,7 @@ import pytest
 import pagedkv
 from faultkit import TYPED_IO, Injector, copy_store, describe, fast_tmp, in_child, scales, soak  # noqa: F401
 from pagedkv import Geometry, PagedKVError, StoreClosed
-from support import GEOM, Model, get_seed
+from support import GEOM, Model, build_committed, get_seed
 
 POOL_PAGES = 8
 SMALL_MAP = 64 << 10  # small enough that the workloads grow the LMDB map (set_mapsize ops)
@@ -69,16 +69,7 @@ RESTORE_HEAVY = [
 def _template(root: Path, seqs: dict[str, int], seed: int) -> tuple[Path, Model]:
     """A closed store holding ``seqs`` (id -> tokens), one commit per sequence."""
     path = root / "template"
-    model = Model(seed)
-    store = pagedkv.open(path, GEOM, POOL_PAGES, map_size=SMALL_MAP)
-    for seq, tokens in seqs.items():
-        store.create(seq)
-        model.create(seq)
-        k, v = model.next_kv(seq, tokens)
-        store.append(seq, k, v)
-        store.commit()
-    store.close()
-    return path, model
+    return path, build_committed(path, seqs, seed, POOL_PAGES, map_size=SMALL_MAP)
 
 
 @dataclass
