@@ -570,6 +570,15 @@ class Frames:
         return out
 
 
+def _report_failure(wfd: int) -> int:
+    """Send the current exception's traceback to the parent (if the pipe still works); the exit code."""
+    try:
+        send(wfd, ["E", traceback.format_exc()])
+    except BaseException:  # noqa: BLE001
+        pass
+    return 3
+
+
 def _reuse_pending_slots() -> None:
     """Mutation (P2 broken): a slot freed since the last commit is reused before that commit."""
     original = BlockManager.take_slots
@@ -640,11 +649,7 @@ def child_main(wfd: int, path: Path, mode: str, seed: int, model: Model, commit_
             commit_no = work.commit_no
         send(wfd, ["H", faults.hits()])
     except BaseException:  # noqa: BLE001 - report everything, exit without unwinding
-        code = 3
-        try:
-            send(wfd, ["E", traceback.format_exc()])
-        except BaseException:  # noqa: BLE001
-            pass
+        code = _report_failure(wfd)
     finally:
         os._exit(code)
 
@@ -949,12 +954,8 @@ def _create_child(wfd: int, paths: list[Path], mode: str, seed: int, point: str,
             work.run(12)
             work.close()
         send(wfd, ["H", faults.hits()])
-    except BaseException:  # noqa: BLE001
-        code = 3
-        try:
-            send(wfd, ["E", traceback.format_exc()])
-        except BaseException:  # noqa: BLE001
-            pass
+    except BaseException:  # noqa: BLE001 - report everything, exit without unwinding
+        code = _report_failure(wfd)
     finally:
         os._exit(code)
 
