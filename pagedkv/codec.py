@@ -20,7 +20,8 @@ from .errors import PageCorrupt
 from .geometry import Geometry
 from .spillcodecs import CODECS
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the store's: format 2 seals every metadata record with a checksum
+RECORD_VERSION = 1  # the spilled-page record's header, unchanged since format 1
 
 _LEN = struct.Struct("<I")
 _IDENT = struct.Struct("<QI")
@@ -127,7 +128,7 @@ class RecordLayout:
 
     def prefix(self, uid: int, fill: int, codec: str, csum: int, nbytes: int) -> bytes:
         """The bytes before a record's payload: u32 header length, then the msgpack header."""
-        header = msgpack.packb({"v": FORMAT_VERSION, "uid": uid, "dtype": self.dtype,
+        header = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
                                 "shape": self._shape, "fill": fill, "codec": codec,
                                 "csum": csum, "nbytes": nbytes})
         return _LEN.pack(len(header)) + header
@@ -200,8 +201,8 @@ def _header_problem(geom: Geometry, header: Any, uid: int) -> str | None:
     ints = ("v", "uid", "fill", "csum", "nbytes")
     if any(type(header[key]) is not int for key in ints):
         return "header integer field has the wrong type"
-    if header["v"] != FORMAT_VERSION:
-        return f"record format version {header['v']} is not {FORMAT_VERSION}"
+    if header["v"] != RECORD_VERSION:
+        return f"record format version {header['v']} is not {RECORD_VERSION}"
     if header["uid"] != uid:
         return f"record belongs to page {header['uid']}"
     if not isinstance(header["codec"], str) or header["codec"] not in CODECS:

@@ -33,13 +33,14 @@ class Directory:
         "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
         "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
         "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
-        "parent": (np.uint64, 0),  # uid of the page a hashed page follows (0: first page)
+        "parent": (np.uint64, 0),  # chain class of the page a hashed page follows (0: first page)
+        "chain": (np.uint64, 0),  # chain class of a hashed page: the uid of the first of its equals
         "gen": (np.uint32, 0),  # bumped on every write, so background work can tell
     }
 
     # Only pages given token ids are hashed; until the first one, these columns are
     # zero-stride views of their default, so a store that never hashes pays nothing.
-    _SPARSE = ("hash", "parent")
+    _SPARSE = ("hash", "parent", "chain")
 
     def _init_directory(self, capacity: int, page_size: int) -> None:
         self.next_uid = 1

@@ -9,16 +9,15 @@ import lmdb
 
 from .errors import StoreFull, StoreIOError
 from .geometry import Geometry
+from .schema import COUNTER_KEYS, DURABILITY
 from .spill import lmdb_error
 
 if TYPE_CHECKING:
     from .store import KVStore
 
 F = TypeVar("F", bound=Callable[..., Any])
-DURABILITY = ("durable", "nosync", "volatile")
 # Counters the commit adds to the persistent state record (cumulative over sessions).
-PERSISTED_COUNTERS = ("prefix_queries", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_pages",
-                      "evictions", "restores", "cache_drops")
+PERSISTED_COUNTERS = COUNTER_KEYS
 
 
 def _op(write: bool) -> Callable[[F], F]:

@@ -10,7 +10,6 @@ overwritten before a commit has moved them (see ``persist.py`` for the commit).
 
 from __future__ import annotations
 
-import struct
 from typing import Callable
 
 import numpy as np
@@ -21,17 +20,15 @@ from .directory import (CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, R
 from .errors import PageCorrupt, PoolExhausted
 from .evict import evict as evict_batch
 from .geometry import Geometry
+from .metarecord import TAG_TOKENS, dir_value, unseal
 from .pool import PagePool
 from .prefix import PrefixIndex
 from .restore import restore
 from .spill import SpillStore, uid_key
 from .stats import Stats
 
-__all__ = ["BlockManager", "CODEC_SHIFT", "DIR_ENTRY", "HAS_TOKENS", "HASHED", "NOWHERE", "REC_CURRENT",
-           "REC_NONE", "REC_STALE", "SPILLED", "dir_entry"]
-
-# Directory value: where (slot, or -1 spilled), committed fill, checksum, flags, content hash.
-DIR_ENTRY = struct.Struct("<iIQI16sQ")  # ... and the uid of the parent page of a hashed page
+__all__ = ["BlockManager", "CODEC_SHIFT", "HAS_TOKENS", "HASHED", "NOWHERE", "REC_CURRENT",
+           "REC_NONE", "REC_STALE", "SPILLED"]
 
 
 class BlockManager(Directory):
@@ -73,6 +70,7 @@ class BlockManager(Directory):
         # foreground LMDB write waits first, so no commit falls between its steps.
         self.bg_pins = np.zeros(self.pool_pages, np.int32)
         self.wait_background: Callable[[], None] | None = None
+        self.sealed = True  # committed metadata carries checksums (false while format 1 loads)
 
     # -- allocation --------------------------------------------------------
     def new_page(self) -> int:
@@ -167,8 +165,12 @@ class BlockManager(Directory):
             self._free(pid)
 
     def _free(self, pid: int) -> None:
-        if self.flags[pid] & HASHED and self.prefix.holds(bytes(self.hash[pid]), pid):
-            return  # kept as cache: evictable like any page, found again by its hash
+        if self.flags[pid] & HASHED:
+            # Kept as cache (evictable like any page, found again by its hash), unless
+            # an equal page of its chain class is indexed: that one serves its prefix.
+            if self.prefix.holds(bytes(self.hash[pid]), pid) and self.prefix.equal_page(pid, self) < 0:
+                return
+            self.prefix.discard(bytes(self.hash[pid]), pid)
         slot = int(self.slot[pid])
         if slot >= 0:
             self.slot_pid[slot] = -1
@@ -263,28 +265,33 @@ class BlockManager(Directory):
         self._recycle(pid)
 
     def page_tokens_of(self, pid: int) -> np.ndarray | None:
-        """A page's token ids: from memory, else from the committed tokens table."""
+        """A page's token ids: from memory, else from the committed tokens table.
+
+        A committed list that fails its checksum (or is malformed) counts as
+        unknown, so it can never confirm a prefix hit.
+        """
         token_ids = self.page_tokens.get(pid)
         if token_ids is None and self.flags[pid] & HAS_TOKENS:
+            key = uid_key(int(self.uid[pid]))
             with self.spill.begin_read() as txn:
-                raw = txn.get(uid_key(int(self.uid[pid])), db=self.spill.tokens)
-                if raw is not None and len(raw) % 4 == 0 and len(raw) <= 4 * self.geom.page_size:
-                    token_ids = np.frombuffer(bytes(raw), dtype="<u4")
+                raw = txn.get(key, db=self.spill.tokens)
+                body = None if raw is None else self.token_body(key, raw)
+            if body is not None and len(body) % 4 == 0 and len(body) <= 4 * self.geom.page_size:
+                token_ids = np.frombuffer(body, dtype="<u4")
         return token_ids
+
+    def token_body(self, key: bytes, raw: bytes | memoryview) -> bytes | None:
+        """The token ids of a committed tokens value, or None if it fails its checksum."""
+        return unseal(TAG_TOKENS, key, raw, self.seed) if self.sealed else bytes(raw)
 
     def committed_entry(self, pid: int, where: int, csum: int | None = None,
                         codec: int | None = None) -> bytes:
         """Directory value of ``pid``'s committed state at a new placement (and record codec)."""
         codec = int(self.codec[pid]) if codec is None else codec
-        return dir_entry(where, int(self.c_fill[pid]), int(self.c_csum[pid]) if csum is None else csum,
+        return dir_value(uid_key(int(self.uid[pid])), where, int(self.c_fill[pid]),
+                         int(self.c_csum[pid]) if csum is None else csum,
                          int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]),
-                         int(self.parent[pid]))
-
-    def current_entry(self, pid: int, where: int) -> bytes:
-        """Directory value of ``pid``'s current state at ``where``."""
-        return dir_entry(where, int(self.fill[pid]), self.checksum(pid) if where >= 0 else int(self.csum[pid]),
-                         int(self.flags[pid]) | int(self.codec[pid]) << CODEC_SHIFT, bytes(self.hash[pid]),
-                         int(self.parent[pid]))
+                         int(self.parent[pid]), int(self.chain[pid]), self.seed)
 
     # -- integrity -----------------------------------------------------------
     def checksum(self, pid: int) -> int:
@@ -329,9 +336,4 @@ class BlockManager(Directory):
         """``verify`` each page that has not been verified since reopen."""
         for pid in pids[~self.verified[pids]].tolist():
             self.verify(pid)
-
-
-def dir_entry(where: int, fill: int, csum: int, flags: int, digest: bytes, parent: int) -> bytes:
-    """A directory value: placement (slot, -1 spilled), fill, checksum, flags, content hash."""
-    return DIR_ENTRY.pack(where, fill, csum, flags, digest, parent)
 

@@ -4,8 +4,8 @@ A full page whose token ids are known gets ``hash = xxh3_128(parent hash | salt 
 token ids)``, where the parent is the previous page of its sequence and the salt
 binds the store and the model fingerprint. The hash is deterministic across
 processes, machines and Python versions, so the index rebuilt on reopen finds
-the same pages. A hit is confirmed by comparing token ids, so a hash collision
-can never serve another prompt's KV.
+the same pages. A hit is confirmed by comparing token ids and the chain class of
+the page it follows, so a hash collision can never serve another prompt's KV.
 """
 
 from __future__ import annotations
@@ -66,28 +66,57 @@ class PrefixIndex:
     def match(self, token_ids: np.ndarray, max_pages: int, mgr: Any) -> list[int]:
         """Page rows of the longest cached run of full pages that starts ``token_ids``.
 
-        A hit must hold the same token ids *and* follow the page matched before it
-        (its recorded parent), so even a collision of the chained hash can never
-        serve a page computed after another prefix.
+        Several pages may hold one position of a prompt (it was prefilled twice);
+        each has a chain class, the uid of the first page sealed with that
+        content after that prefix. A hit must hold the same token ids *and* follow
+        a class matched at the position before (its recorded parent class), so
+        even a collision of the chained hash never serves a page computed after
+        another prefix, and a page computed after a duplicate is found as well.
+        Among equal pages a resident one is preferred.
         """
         found: list[int] = []
-        parent, parent_uid = ROOT, 0
+        parent, classes = ROOT, {0}
         size = self.page_size
         for index in range(max_pages):
             chunk = token_ids[index * size:(index + 1) * size]
             digest = chain_hash(parent, self.salt, chunk)
-            pid = self.index.get(digest, mgr.hash)
-            if pid is None or int(mgr.parent[pid]) != parent_uid:
+            pick, reached = -1, set()
+            for pid in self.index.get(digest, mgr.hash):
+                if int(mgr.parent[pid]) not in classes:
+                    continue
+                chain = int(mgr.chain[pid])
+                if chain not in reached:  # pages of one class hold the same ids: compare once
+                    stored = mgr.page_tokens_of(pid)
+                    if stored is None or not np.array_equal(stored, chunk):
+                        continue  # a collision (or lost token ids): never share
+                    reached.add(chain)
+                if pick < 0 or (mgr.slot[pick] < 0 <= mgr.slot[pid]):
+                    pick = pid
+            if pick < 0:
                 break
-            stored = mgr.page_tokens_of(pid)
-            if stored is None or not np.array_equal(stored, chunk):
-                break  # a collision (or lost token ids): never share
-            found.append(pid)
-            parent, parent_uid = digest, int(mgr.uid[pid])
+            found.append(pick)
+            parent, classes = digest, reached
         return found
 
+    def class_of(self, digest: bytes, parent_class: int, token_ids: np.ndarray, mgr: Any) -> int:
+        """The chain class of an indexed page holding ``token_ids`` after ``parent_class``, or 0."""
+        for pid in self.index.get(digest, mgr.hash):
+            if int(mgr.parent[pid]) == parent_class:
+                stored = mgr.page_tokens_of(pid)
+                if stored is not None and np.array_equal(stored, token_ids):
+                    return int(mgr.chain[pid])
+        return 0
+
+    def equal_page(self, pid: int, mgr: Any) -> int:
+        """Another indexed page of ``pid``'s chain class (same prefix, same ids), or -1."""
+        chain = int(mgr.chain[pid])
+        for other in self.index.get(bytes(mgr.hash[pid]), mgr.hash):
+            if other != pid and int(mgr.chain[other]) == chain:
+                return other
+        return -1
+
     def add(self, digest: bytes, pid: int, hashes: np.ndarray) -> bool:
-        """Index ``pid`` (``hashes[pid]`` is ``digest``) unless another page already holds it."""
+        """Index ``pid`` (``hashes[pid]`` is ``digest``) unless it is indexed already."""
         return self.index.add(digest, pid, hashes)
 
     def add_many(self, pids: np.ndarray, hashes: np.ndarray) -> None:
@@ -99,7 +128,7 @@ class PrefixIndex:
         self.index.discard(digest, pid)
 
     def holds(self, digest: bytes, pid: int) -> bool:
-        """Whether ``pid`` is the page the index serves for ``digest``."""
+        """Whether ``pid`` is indexed under ``digest``."""
         return self.index.holds(digest, pid)
 
     def pages(self) -> np.ndarray:
@@ -127,7 +156,7 @@ def share_prefix(mgr: Any, seq: Any, token_ids: np.ndarray) -> None:
 
 def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
     """Record the ids of tokens ``[offset, offset + len)`` of a page (None: ids unknown)."""
-    from .manager import HAS_TOKENS
+    from .directory import HAS_TOKENS
 
     known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
     previous = mgr.page_tokens_of(pid) if offset and known else None
@@ -145,8 +174,11 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     """Give a page that just filled its chained hash, if its ids and its parent's hash are known.
 
     ``parent`` is the previous page of the sequence, or -1 for the first page.
+    A page equal to one indexed already (same parent class, same ids: the same
+    prompt prefilled again) joins that page's chain class, so the pages computed
+    after either are found from both; otherwise it starts a class of its own.
     """
-    from .manager import HAS_TOKENS, HASHED
+    from .directory import HAS_TOKENS, HASHED
 
     flags = int(mgr.flags[pid])
     if flags & HASHED or not flags & HAS_TOKENS or mgr.fill[pid] != mgr.geom.page_size:
@@ -156,10 +188,13 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     token_ids = mgr.page_tokens_of(pid)
     if token_ids is None:
         return
-    digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
     mgr.track_hashes()
+    digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
+    parent_class = int(mgr.chain[parent]) if parent >= 0 else 0
+    chain = mgr.prefix.class_of(digest, parent_class, token_ids, mgr) or int(mgr.uid[pid])
     mgr.hash[pid] = digest
-    mgr.parent[pid] = mgr.uid[parent] if parent >= 0 else 0
+    mgr.parent[pid] = parent_class
+    mgr.chain[pid] = chain
     mgr.flags[pid] |= HASHED
     mgr.chg[pid] = True
     mgr.prefix.add(digest, pid, mgr.hash)

@@ -1,6 +1,7 @@
 """A compact hash table of directory rows keyed by the 16-byte digests those rows hold.
 
-The prefix index maps a page's chained hash to its directory row. A dict would
+The prefix index maps a page's chained hash to its directory rows: several pages
+may hold one digest (the same prompt prefilled twice), and each is kept. A dict would
 keep a 16-byte key object and an int per page (about 120 bytes with the table);
 the digest is already in the directory's ``hash`` column, so this table keeps
 only the row: an int32 per slot, open addressing with linear probing, at most
@@ -24,7 +25,7 @@ def _homes(digests: np.ndarray, mask: int) -> np.ndarray:
 
 
 class RowIndex:
-    """digest -> row for rows whose digest is ``hashes[row]``; one row per digest."""
+    """digest -> rows whose digest is ``hashes[row]``; a digest may have several rows."""
 
     def __init__(self) -> None:
         self.slots = np.full(_MIN_SLOTS, EMPTY, np.int32)
@@ -45,12 +46,9 @@ class RowIndex:
                 return
             at = (at + 1) & mask
 
-    def get(self, digest: bytes, hashes: np.ndarray) -> int | None:
-        """The row held for ``digest``, or None."""
-        for _, row in self._path(digest):
-            if row >= 0 and hashes[row].tobytes() == digest:
-                return row
-        return None
+    def get(self, digest: bytes, hashes: np.ndarray) -> list[int]:
+        """Every row held for ``digest``, in probe order (the first added first, unless rebuilt)."""
+        return [row for _, row in self._path(digest) if row >= 0 and hashes[row].tobytes() == digest]
 
     def _find(self, digest: bytes, row: int) -> int:
         """The slot holding ``row`` on ``digest``'s probe path, or -1."""
@@ -60,16 +58,16 @@ class RowIndex:
         return -1
 
     def holds(self, digest: bytes, row: int) -> bool:
-        """Whether ``row`` is the row held for ``digest`` (its own digest)."""
+        """Whether ``row`` is held under ``digest`` (its own digest)."""
         return self._find(digest, row) >= 0
 
     def add(self, digest: bytes, row: int, hashes: np.ndarray) -> bool:
-        """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless the digest is held."""
+        """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless it is held already."""
         reuse = at = -1
         for at, found in self._path(digest):
             if found == GONE and reuse < 0:
                 reuse = at
-            elif found >= 0 and hashes[found].tobytes() == digest:
+            elif found == row:
                 return False
         if reuse < 0:  # the path's empty end
             reuse = at
@@ -92,15 +90,14 @@ class RowIndex:
         return self.slots[self.slots >= 0].astype(np.int64)
 
     def add_many(self, rows: np.ndarray, hashes: np.ndarray) -> None:
-        """``add`` for many rows at once, the first of equal digests winning (a reopen's rebuild)."""
+        """``add`` for many rows at once (a reopen's rebuild); rows held already are skipped."""
         rows = np.asarray(rows, np.int64)
         if not len(rows):
             return
         held = self.rows()
-        keys = np.ascontiguousarray(hashes[np.concatenate([held, rows])]).view("<u8").reshape(-1, 2)
-        _, first = np.unique(keys, axis=0, return_index=True)
-        fresh = np.sort(first[first >= len(held)]) - len(held)  # digests not held yet, first rows
-        self._rebuild(hashes, np.concatenate([held, rows[fresh]]))
+        fresh = rows[~np.isin(rows, held)]
+        _, first = np.unique(fresh, return_index=True)
+        self._rebuild(hashes, np.concatenate([held, fresh[np.sort(first)]]))
 
     def _rebuild(self, hashes: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Lay ``rows`` (default: those held) out afresh in a table at most half full.

@@ -65,14 +65,19 @@ class KVStore:
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
-        tables, self._state = self._load(writer=not readonly)
+        tables, self._state, self._damage = self._load(writer=not readonly)
         self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
         if self._write_behind is not None:
             self._write_behind.attach()
 
-    def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any]]:
+    def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
+        """The committed state; a writer rewrites a format-1 store's metadata sealed."""
+        sealed = self.superblock["format"] >= persist.SEALED_FORMAT
         try:
-            return persist.load(self._mgr, writer=writer)
+            loaded = persist.load(self._mgr, writer=writer, sealed=sealed)
+            if writer and not sealed:
+                persist.upgrade(self._mgr, self.superblock)
+            return loaded
         except lmdb.Error as exc:
             raise lmdb_error(exc, f"cannot load {self.path}") from None
         except (struct.error, ValueError, OverflowError) as exc:  # hostile bytes in metadata
@@ -89,7 +94,7 @@ class KVStore:
         """Read-only: take a new snapshot of the store (a live writer has moved on)."""
         self._spill.refresh()
         self._mgr = self._new_manager()
-        tables, self._state = self._load(writer=False)
+        tables, self._state, self._damage = self._load(writer=False)
         self._seqs = {seq.seq_id: seq for seq in tables.values()}
 
     # -- handle state --------------------------------------------------------
@@ -395,5 +400,8 @@ class KVStore:
 
     @_op(write=False)
     def check(self) -> list[str]:
-        """Verify every checksum and invariant; return the problems found ([] when consistent)."""
-        return check_store(self)
+        """Verify every checksum and invariant; return the problems found ([] when consistent).
+
+        Damaged metadata records a read-only handle left out at open come first.
+        """
+        return [f"damaged metadata: {line}" for line in self._damage] + check_store(self)

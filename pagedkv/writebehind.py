@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .codec import encode_spill, page_checksum
-from .manager import NOWHERE, REC_CURRENT, REC_STALE, SPILLED
+from .directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, REC_STALE, SPILLED
+from .metarecord import dir_value, read_dir_value
 from .spill import uid_key
 from .spillcodecs import CODECS
 
@@ -190,8 +191,7 @@ class WriteBehind:
                     current = txn.get(key, db=mgr.spill.dir)
                     if current is None or bytes(current) != v["entry"]:
                         continue  # a commit moved on since: leave this page alone
-                    entry = bytearray(v["entry"])
-                    mgr.spill.put(txn, mgr.spill.dir, key, _spilled_entry(entry, v))
+                    mgr.spill.put(txn, mgr.spill.dir, key, _spilled_entry(key, v["entry"], v, mgr.seed))
                 if v["record"] is not None:
                     mgr.spill.put(txn, mgr.spill.pages, key, v["record"])
                 written.add(v["slot"])
@@ -249,12 +249,9 @@ class WriteBehind:
         return 1
 
 
-def _spilled_entry(entry: bytearray, victim: dict[str, Any]) -> bytes:
+def _spilled_entry(key: bytes, entry: bytes, victim: dict[str, Any], seed: int) -> bytes:
     """The committed entry with placement SPILLED (and a lossy codec's new checksum)."""
-    from .manager import CODEC_SHIFT, DIR_ENTRY
-
-    where, fill, _, flags, digest, parent = DIR_ENTRY.unpack(bytes(entry))
+    where, fill, _, flags, digest, parent, chain = read_dir_value(key, entry, seed)
     codec = victim.get("codec", (flags >> CODEC_SHIFT) & 3)
     flags = flags & ((1 << CODEC_SHIFT) - 1) | codec << CODEC_SHIFT
-    return DIR_ENTRY.pack(SPILLED, fill, victim["new_c_csum"], flags, digest, parent)
-
+    return dir_value(key, SPILLED, fill, victim["new_c_csum"], flags, digest, parent, chain, seed)

@@ -394,13 +394,14 @@ def write_header(path: str | Path, fields: dict[str, Any]) -> None:
 
 def spill_env(path: str | Path, **kwargs: Any) -> lmdb.Environment:
     """Open a store's spill environment directly (the store must be closed in this process)."""
-    options = dict(subdir=True, max_dbs=4, sync=False, metasync=False, create=False, max_readers=126)
+    options = dict(subdir=True, max_dbs=5, sync=False, metasync=False, create=False, max_readers=126)
     options.update(kwargs)
     return lmdb.open(os.path.join(path, SPILL), **options)
 
 
 def spill_dbs(env: lmdb.Environment) -> dict[str, Any]:
-    return {name: env.open_db(name.encode(), create=False) for name in ("meta", "seqs", "dir", "pages")}
+    return {name: env.open_db(name.encode(), create=False)
+            for name in ("meta", "seqs", "dir", "pages", "tokens")}
 
 
 # -- /proc counters -----------------------------------------------------------------------

@@ -23,6 +23,21 @@ from pagedkv import Geometry
 
 GEOM = Geometry(layers=2, kv_heads=2, head_dim=4, page_size=4, dtype="float32")
 
+# -- the repository's tools ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_tool(name: str) -> Any:
+    """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
 # -- seeds ------------------------------------------------------------------------
 
 

@@ -8,7 +8,6 @@ hostile paths and names are checked against one-line errors and escaped output
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -29,6 +28,7 @@ import pagedkv
 from pagedkv.cli import cli
 from pagedkv.kvgen import check_read, token_kv
 from pagedkv.spill import uid_key
+import support
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample.kv"
@@ -37,9 +37,7 @@ TINY = pagedkv.PRESETS["tiny"]
 HOSTILE = ["esc\x1b[31mred", "cr\rreturn", "nul\x00byte", "rtl\u202eevil", "tab\there",
            "nl\nline", "emoji\U0001f600", "back\\slash"]
 
-_spec = importlib.util.spec_from_file_location("make_sample", ROOT / "tools" / "make_sample.py")
-make_sample = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_sample)  # type: ignore[union-attr]
+make_sample = support.load_tool("make_sample")
 
 
 def _runner() -> CliRunner:
@@ -261,7 +259,7 @@ def test_inspect_summary_json_matches_library(store_path: Path) -> None:
         assert out["uuid"] == store.uuid
         assert out["geometry"] == store.geometry.to_dict()
         assert out["page_bytes"] == store.geometry.page_nbytes
-        assert out["format_version"] == store.superblock["format"] == 1
+        assert out["format_version"] == store.superblock["format"] == pagedkv.codec.FORMAT_VERSION
         commits = store._state["commits"]
         state = dict(store._state)
     assert set(out["prefix_cache"]) == PREFIX_KEYS

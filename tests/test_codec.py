@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedkv import Geometry, PageCorrupt, PagedKVError
-from pagedkv.codec import FORMAT_VERSION, decode_record, encode_record, page_checksum
+from pagedkv.codec import RECORD_VERSION, decode_record, encode_record, page_checksum
 from support import GEOM, kv
 
 UID = 1234
@@ -59,7 +59,7 @@ def test_codec_record_round_trip(dtype: str, fill: int) -> None:
     assert out.shape == geom.page_shape and out.dtype == geom.np_dtype
     assert out.tobytes() == page.tobytes()
     assert header["uid"] == UID and header["fill"] == fill and header["csum"] == csum
-    assert header["v"] == FORMAT_VERSION and header["codec"] == "raw"
+    assert header["v"] == RECORD_VERSION and header["codec"] == "raw"
     assert header["dtype"] == dtype and header["shape"] == list(geom.page_shape)
     assert header["nbytes"] == geom.page_nbytes == len(out.tobytes())
     assert len(record) == 4 + struct.unpack_from("<I", record)[0] + geom.page_nbytes
@@ -76,7 +76,7 @@ def test_codec_decode_accepts_memoryview() -> None:
 # -- every header field wrong -------------------------------------------------------
 
 BAD_FIELDS = [
-    ("v", FORMAT_VERSION + 1), ("v", 0), ("v", "1"), ("v", True), ("v", 1.0), ("v", None),
+    ("v", RECORD_VERSION + 1), ("v", 0), ("v", "1"), ("v", True), ("v", 1.0), ("v", None),
     ("uid", UID + 1), ("uid", -UID), ("uid", str(UID)), ("uid", float(UID)),
     ("dtype", "float16"), ("dtype", "float64"), ("dtype", b"float32"), ("dtype", 4), ("dtype", None),
     ("shape", [2, 2, 4, 2]), ("shape", [2, 2, 4, 2, 4, 1]), ("shape", [2, 2, 4, 2, 8]),

@@ -31,7 +31,8 @@ import pagedkv
 from faultkit import (DATA_MDB, HEADER_NBYTES, LOCK, LOCK_MDB, POOL, SPILL, Tally, copy_store, describe,
                       fast_tmp, flip_bit, in_child, in_children, poke, read_header, reset_peak_rss, resize, scales, soak,  # noqa: F401
                       spill_dbs, spill_env, store_bytes, write_header, proc_status_kib)
-from pagedkv.codec import payload_checksum
+from pagedkv.codec import FORMAT_VERSION, payload_checksum
+from pagedkv.metarecord import SUPERBLOCK_SEED, TAG_META, TRAILER, seal
 from pagedkv import (FormatVersionError, Geometry, GeometryMismatch, PageCorrupt, PagedKVError,
                      StoreCorrupt)
 from support import GEOM, Model, build_committed, get_seed
@@ -295,7 +296,7 @@ def spilled_layout(path: Path, model: Model) -> dict[int, tuple[str, int, int, i
         with env.begin() as txn:
             tables = {}
             for _, value in txn.cursor(db=dbs["seqs"]):
-                seq_id, length, raw = msgpack.unpackb(value, raw=False)
+                seq_id, length, raw = msgpack.unpackb(value[:-8], raw=False)  # less its checksum
                 tables[seq_id] = np.frombuffer(raw, "<u8").tolist()
             where = {struct.unpack(">Q", key)[0]: _DIR_HEAD.unpack_from(value)
                      for key, value in txn.cursor(db=dbs["dir"])}
@@ -799,7 +800,7 @@ def superblock(path: Path) -> dict[str, Any]:
     try:
         meta = spill_dbs(env)["meta"]
         with env.begin() as txn:
-            return msgpack.unpackb(txn.get(b"superblock", db=meta), raw=False)
+            return msgpack.unpackb(txn.get(b"superblock", db=meta)[:-TRAILER], raw=False)
     finally:
         env.close()
 
@@ -809,7 +810,9 @@ def put_superblock(path: Path, fields: dict[str, Any]) -> None:
     try:
         meta = spill_dbs(env)["meta"]
         with env.begin(write=True) as txn:
-            txn.put(b"superblock", msgpack.packb(fields), db=meta)
+            # Sealed as a writer would: these cases test the fields, not the checksum.
+            txn.put(b"superblock", seal(TAG_META, b"superblock", msgpack.packb(fields), SUPERBLOCK_SEED),
+                    db=meta)
     finally:
         env.close()
 
@@ -839,7 +842,7 @@ def t10_cases(path: Path, other: Path) -> list[tuple[str, Callable[[Path], None]
     cases.append(("header layers and page_nbytes altered consistently",
                   lambda w: write_header(w, {**read_header(w), "layers": header["layers"] * 2,
                                              "page_nbytes": header["page_nbytes"] * 2}), (POOL,), False))
-    cases.append(("header future format version", lambda w: write_header(w, {**read_header(w), "version": 2}),
+    cases.append(("header future format version", lambda w: write_header(w, {**read_header(w), "version": FORMAT_VERSION + 1}),
                   (POOL,), False))
     sb = superblock(path)
     for key in sb["geometry"]:
@@ -847,7 +850,7 @@ def t10_cases(path: Path, other: Path) -> list[tuple[str, Callable[[Path], None]
         cases.append((f"superblock geometry {key} altered",
                       lambda w, k=key, v=value: put_superblock(w, {**sb, "geometry": {**sb["geometry"], k: v}}),
                       ("superblock", SPILL, POOL), False))
-    for key, value in (("pool_pages", sb["pool_pages"] + 1), ("uuid", bytes(16)), ("format", 2),
+    for key, value in (("pool_pages", sb["pool_pages"] + 1), ("uuid", bytes(16)), ("format", FORMAT_VERSION + 1),
                        ("format", 0), ("format", -1), ("format", "1"), ("geometry", {"layers": 1})):
         cases.append((f"superblock {key}={value!r}",
                       lambda w, k=key, v=value: put_superblock(w, {**sb, k: v}),

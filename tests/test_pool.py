@@ -12,6 +12,7 @@ import pytest
 
 import pagedkv
 from pagedkv import FormatVersionError, Geometry, PagedKVError, StoreCorrupt, faults
+from pagedkv.codec import FORMAT_VERSION
 from pagedkv.pool import HEADER_NBYTES, MAGIC, PagePool, pack_header, unpack_header
 from support import GEOM, kv
 
@@ -110,7 +111,7 @@ def _fields(**over) -> bytes:
 def test_pool_resealed_header_validates_fields() -> None:
     assert unpack_header(_resealed(_fields()), "x")[0] == GEOM
     with pytest.raises(FormatVersionError):
-        unpack_header(_resealed(_fields(version=2)), "x")
+        unpack_header(_resealed(_fields(version=FORMAT_VERSION + 1)), "x")
     for bad in (dict(version=0), dict(layers=0), dict(head_dim=1 << 21), dict(dtype=b"float64"),
                 dict(dtype=b"\xff\xfe"), dict(pool_pages=0), dict(page_nbytes=GEOM.page_nbytes + 1)):
         with pytest.raises(StoreCorrupt):

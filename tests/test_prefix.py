@@ -232,7 +232,9 @@ def test_constant_hash_shares_only_matching_ids(pstores, monkeypatch) -> None:
     half = np.concatenate([first[:PS], other[PS:]])  # page 0 matches, the rest collide
     assert store.lookup(half) == PS and prefill(store, "c", half) == PS
     assert_holds(store, "c", half)
-    assert store.lookup(first) == PS  # every later page collides with page 0: no hit, no harm
+    # Every page collides with every other; ids and chain classes still find first's own pages.
+    assert store.lookup(first) == 3 * PS and prefill(store, "d", first) == 3 * PS
+    assert_holds(store, "d", first)
     consistent(store)
 
 
@@ -250,7 +252,7 @@ def test_forced_collision_never_serves_kv_of_another_position_or_prefix(pstores,
     if case == "constant-repeated-page":
         monkeypatch.setattr(pagedkv.prefix, "chain_hash", _constant_hash)
         cached, query = np.concatenate([x, x, x, z[:3]]), np.concatenate([x, x, x, y[:3]])
-        expected = PS  # page 0 is the only page at its place
+        expected = 3 * PS  # x x x after the same prefix: the cached pages, found through the collisions
     else:
         monkeypatch.setattr(pagedkv.prefix, "chain_hash", _parent_blind_hash)
         cached, query = np.concatenate([y, x, z[:3]]), np.concatenate([x, z, y[:3]])

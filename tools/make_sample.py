@@ -1,4 +1,7 @@
-"""Build ``data/sample.kv``: the golden store of format version 1.
+"""Build ``data/sample-v2.kv``: the golden store of format version 2 (sealed metadata).
+
+``data/sample.kv``, built by this script under format version 1, is frozen: every
+later pagedkv must read both.
 
 A small store (well under 1 MB on disk) with deterministic K/V content that
 touches every on-disk structure: a prompt whose full pages carry token ids and
@@ -39,7 +42,7 @@ SEQUENCES: dict[str | int, list[tuple[int, int]]] = {
 }
 LENGTHS: dict[str | int, int] = {"prompt": 40, "chat-1": 70, "chat-2": 45, 7: 100, "empty": 0}
 DROPPED = Request("gone", [(6, 0)], length=48)  # dropped: its three full pages stay cached
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "sample.kv")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "sample-v2.kv")
 
 
 def requests() -> list[Request]:
