@@ -147,8 +147,9 @@ def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarr
     return out_k, out_v
 
 
-def read_pages(store: KVStore, seq: Sequence, first: int, last: int) -> np.ndarray:
-    """Copies of pages ``[first, last)`` in pool layout; the last page's unused tail zeroed."""
+def read_pages(store: KVStore, seq: Sequence, first: int, last: int, length: int | None = None) -> np.ndarray:
+    """Copies of pages ``[first, last)`` in pool layout; positions past ``length`` (default: the
+    sequence's) zeroed."""
     geom = store.geometry
     out = np.empty((last - first, *geom.page_shape), geom.np_dtype)
 
@@ -156,7 +157,7 @@ def read_pages(store: KVStore, seq: Sequence, first: int, last: int) -> np.ndarr
         out[index - first] = page
 
     _each_page(store, seq, first, last, copy_out)
-    tail = seq.length - (last - 1) * geom.page_size
+    tail = (seq.length if length is None else length) - (last - 1) * geom.page_size
     if last > first and tail < geom.page_size:
         out[-1, :, :, tail:] = 0  # the slot's bytes there are another page's leftovers
     return out

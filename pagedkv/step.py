@@ -50,6 +50,7 @@ class Step:
         self._seqs: list[Sequence] = []
         self._undo: tuple[np.ndarray, ...] = ()  # lengths, pages, last pages, their fills
         self._pins = np.zeros(0, np.int32)
+        self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
 
     def __enter__(self) -> Step:
         self._store._enter_step(self)
@@ -110,7 +111,7 @@ def fits(store: KVStore, new_tokens: Mapping[SeqId, int]) -> bool:
     """``KVStore.can_step``: no sequence busy, and room for every page of the step at once."""
     counts = parse_counts(new_tokens)
     seqs = [store._seq(seq_id) for seq_id in new_tokens]
-    if any(not frozenset(seqs).isdisjoint(members) for members in store._busy.values()):
+    if any(not frozenset(seqs).isdisjoint(active.members) for active in store._busy.values()):
         return False
     return pages_needed(store, seqs, counts) <= store._mgr.available()
 
@@ -182,7 +183,8 @@ def begin(store: KVStore, step: Step) -> None:
     after = lengths + counts
     for seq, length in zip(seqs, after.tolist()):
         seq.length = length
-    store._busy[id(step)] = members
+    step.members = members
+    store._busy[id(step)] = step
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     if counts.all():
         store._dirty.update(by_key)

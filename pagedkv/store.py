@@ -61,7 +61,7 @@ class KVStore:
         self._dropped: set[bytes] = set()
         self._table_epoch = 0  # bumped by every block-table change outside a step
         self._batch: Any = None  # the last step's block table (see step.py)
-        self._busy: dict[int, frozenset[Sequence]] = {}  # the sequences of each active step
+        self._busy: dict[int, Step] = {}  # every active step (its sequences are ``members``)
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
@@ -126,10 +126,21 @@ class KVStore:
 
     def _check_idle(self, seqs: frozenset[Sequence]) -> None:
         """Raise ``SequenceBusy`` if any of ``seqs`` is part of an active step."""
-        for members in self._busy.values():
-            if not seqs.isdisjoint(members):
-                busy = next(seq for seq in seqs if seq in members)
+        for step in self._busy.values():
+            if not seqs.isdisjoint(step.members):
+                busy = next(seq for seq in seqs if seq in step.members)
                 raise SequenceBusy(f"sequence {busy.seq_id!r} is in an active step")
+
+    def _written(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V are written: an active step's new tokens count once it ends.
+
+        Inside a step the engine has not necessarily written its tokens yet, and
+        the slots it will write hold whatever a recycled page left there.
+        """
+        for step in self._busy.values():
+            if seq in step.members:
+                return int(step._undo[0][step._seqs.index(seq)])
+        return seq.length
 
     @property
     def pool(self) -> np.ndarray:
@@ -195,8 +206,11 @@ class KVStore:
         streams through it. Raises ``PageCorrupt`` if a page fails its checksum.
         """
         seq = self._seq(seq_id)
-        start, stop = datapath.check_range(seq, start, seq.length if stop is None else stop, seq.length,
-                                           "tokens")
+        written = self._written(seq)
+        if stop is not None and written < stop <= seq.length:
+            raise SequenceBusy(f"tokens [{written}, {stop}) of {seq_id!r} belong to an active step "
+                               "and are not written yet")
+        start, stop = datapath.check_range(seq, start, written if stop is None else stop, written, "tokens")
         out = datapath.serve(self, seq, lambda seq: datapath.read(self, seq, start, stop),
                           lambda seq: seq.length >= stop)
         self._stats.add("tokens_read", stop - start)
@@ -212,9 +226,13 @@ class KVStore:
         are restored on the way; raises ``PageCorrupt`` like ``read``.
         """
         seq = self._seq(seq_id)
-        start, stop = datapath.check_range(seq, start, seq.npages if stop is None else stop, seq.npages,
-                                           "pages")
-        out = datapath.serve(self, seq, lambda seq: datapath.read_pages(self, seq, start, stop),
+        written = self._written(seq)
+        pages = -(-written // self.geometry.page_size)
+        if stop is not None and pages < stop <= seq.npages:
+            raise SequenceBusy(f"pages [{pages}, {stop}) of {seq_id!r} belong to an active step "
+                               "and are not written yet")
+        start, stop = datapath.check_range(seq, start, pages if stop is None else stop, pages, "pages")
+        out = datapath.serve(self, seq, lambda seq: datapath.read_pages(self, seq, start, stop, written),
                           lambda seq: seq.npages >= stop)
         self._stats.add("tokens_read", min(seq.length, stop * self.geometry.page_size)
                         - start * self.geometry.page_size)
