@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 
 from .errors import StoreLocked
-from .files import FILE_MODE, io_error, refuse_symlink
+from .files import FILE_MODE, file_id, io_error, open_file
 
 
 PROC_LOCKS = "/proc/locks"
@@ -23,6 +24,8 @@ def lock_holder(path: str) -> int | None:
         st = os.stat(path, follow_symlinks=False)
     except OSError:
         return None
+    if not stat.S_ISREG(st.st_mode):
+        return None  # no writer locks anything else: WriterLock refuses it
     try:
         with open(PROC_LOCKS, encoding="ascii", errors="replace") as table:
             for line in table:
@@ -32,10 +35,10 @@ def lock_holder(path: str) -> int | None:
                     device, _, inode = fields[5].rpartition(":")
                     if inode.isdigit() and int(inode) == st.st_ino and _same_device(device, st.st_dev):
                         if fields[3] == "WRITE":
-                            return _read_pid_at(path) or int(fields[4]) or -1
+                            return _read_pid_at(path, st) or int(fields[4]) or -1
         return None
     except OSError:
-        return _probe(path)
+        return _probe(path, st)
 
 
 def _same_device(text: str, dev: int) -> bool:
@@ -46,10 +49,28 @@ def _same_device(text: str, dev: int) -> bool:
         return False
 
 
-def _read_pid_at(path: str) -> int | None:
+def _open_seen(path: str, seen: os.stat_result) -> int | None:
+    """A read-only descriptor of ``path`` if it is still the regular file ``seen``, else None.
+
+    Never blocks (a FIFO swapped in meanwhile is opened non-blocking, then refused).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
+        return None
+    try:
+        now = os.fstat(fd)
+    except OSError:
+        now = None
+    if now is None or not stat.S_ISREG(now.st_mode) or file_id(now) != file_id(seen):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_pid_at(path: str, seen: os.stat_result) -> int | None:
+    fd = _open_seen(path, seen)
+    if fd is None:
         return None
     try:
         return _read_pid(fd)
@@ -57,11 +78,10 @@ def _read_pid_at(path: str) -> int | None:
         os.close(fd)
 
 
-def _probe(path: str) -> int | None:
+def _probe(path: str, seen: os.stat_result) -> int | None:
     """Fallback without /proc: a brief shared lock on a read-only fd."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_seen(path, seen)
+    if fd is None:
         return None
     try:
         try:
@@ -97,14 +117,18 @@ def _alive(pid: int) -> bool:
 
 
 class WriterLock:
-    """An exclusive, non-blocking writer lock; released at once if the holder dies."""
+    """An exclusive, non-blocking writer lock; released at once if the holder dies.
+
+    LOCK is opened like every store file (``files.open_file``): a link, a FIFO or a
+    file with a second name is refused before a byte of it is written.
+    """
 
     def __init__(self, path: str) -> None:
-        refuse_symlink(path)
+        fd = open_file(path, writable=True, create=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
             os.fchmod(fd, FILE_MODE)
         except OSError as exc:
+            os.close(fd)
             raise io_error(exc, f"cannot open lock file {path}") from None
         deadline = time.monotonic() + _ORPHAN_WAIT
         while True:

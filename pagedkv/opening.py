@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 import uuid as uuidlib
 import weakref
@@ -12,7 +13,8 @@ from typing import Any
 from . import faults
 from .codec import FORMAT_VERSION
 from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
-from .files import fsync_dir, make_private_dir, refuse_remote
+from .files import (fsync_dir, io_error, list_dir, lookup, make_private_dir, open_dir, open_file,
+                    refuse_remote, refuse_untrusted)
 from .geometry import Geometry
 from .lockfile import WriterLock, _alive, lock_holder
 from .persist import read_superblock, rewrite_superblock, write_superblock
@@ -32,14 +34,13 @@ def is_store(path: str) -> bool:
 def _require_pool_magic(path: str) -> None:
     """Refuse a directory whose pool.bin is not ours before touching anything in it."""
     pool_path = os.path.join(path, POOL_FILE)
+    fd = open_file(pool_path, writable=False)
     try:
-        fd = os.open(pool_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            magic = os.pread(fd, len(MAGIC), 0)
-        finally:
-            os.close(fd)
+        magic = os.pread(fd, len(MAGIC), 0)
     except OSError as exc:
         raise StoreCorrupt(f"{pool_path}: cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
     if magic != MAGIC:
         raise StoreCorrupt(f"{pool_path}: not a pagedkv pool file (bad magic); refusing to touch {path}")
 
@@ -81,7 +82,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         write_behind: spill in a background thread ahead of need, so appends and steps
             wait for spill I/O only when no slot is free (default: ``PAGEDKV_WRITE_BEHIND=1``).
     Raises:
-        StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, PagedKVError.
+        StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, StoreIOError (an
+        unreadable directory or file), PagedKVError.
     """
     path = os.fspath(path)
     if durability not in DURABILITY:
@@ -103,17 +105,20 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         write_behind = os.environ.get("PAGEDKV_WRITE_BEHIND", "") == "1"
     opts = StoreOptions(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
                         allow_model_change, spill_limit_bytes, spill_codec, bool(write_behind))
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise PagedKVError(f"{path} exists and is not a directory")
-    if os.path.islink(path):
+    seen = lookup(path)
+    if seen is not None and stat.S_ISLNK(seen.st_mode):
         raise PagedKVError(f"{path} is a symbolic link; refused")
-    refuse_remote(os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else path,
-                  allow_remote)
-    empty = not os.path.isdir(path) or not os.listdir(path)
+    if seen is not None and not stat.S_ISDIR(seen.st_mode):
+        raise PagedKVError(f"{path} exists and is not a directory")
+    refuse_remote(path if seen is not None else os.path.dirname(os.path.abspath(path)), allow_remote)
+    empty = seen is None or not list_dir(path)
+    if not empty:
+        os.close(open_dir(path))  # the directory is what is trusted: it must be this user's
     if readonly:
         if empty or not is_store(path):
             raise StoreCorrupt(f"{path} is not a pagedkv store")
         _require_pool_magic(path)
+        _require_lock_file(path)
         if _writer_here(path) is not None:
             raise StoreLocked(f"{path} is open for writing in this process (pid {os.getpid()}); "
                               "read through that handle")
@@ -136,6 +141,14 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     return store
 
 
+def _require_lock_file(path: str) -> None:
+    """A reader never opens LOCK, but one that is not a plain file of ours means the store is not."""
+    lock_path = os.path.join(path, LOCK_FILE)
+    seen = lookup(lock_path)
+    if seen is not None:
+        refuse_untrusted(lock_path, seen, writable=False)
+
+
 def _create(path: str, opts: StoreOptions) -> None:
     """Build the store in a private sibling directory, then rename it into place."""
     if opts.geometry is None or opts.pool_pages is None:
@@ -153,7 +166,7 @@ def _create(path: str, opts: StoreOptions) -> None:
         except OSError:
             if not is_store(path):
                 raise PagedKVError(f"{path} appeared while the store was being created") from None
-            shutil.rmtree(temp)  # another process created it first; open theirs
+            shutil.rmtree(temp, ignore_errors=True)  # another process created it first; open theirs
             return
         fsync_dir(parent)
     except BaseException:
@@ -205,8 +218,11 @@ def _recreate(path: str, opts: StoreOptions) -> None:
     try:
         _populate(staging, geometry, pool_pages, opts)
         shutil.rmtree(os.path.join(path, SPILL_DIR), ignore_errors=True)
-        os.rename(os.path.join(staging, SPILL_DIR), os.path.join(path, SPILL_DIR))
-        os.replace(os.path.join(staging, POOL_FILE), os.path.join(path, POOL_FILE))
+        try:
+            os.rename(os.path.join(staging, SPILL_DIR), os.path.join(path, SPILL_DIR))
+            os.replace(os.path.join(staging, POOL_FILE), os.path.join(path, POOL_FILE))
+        except OSError as exc:
+            raise io_error(exc, f"cannot recreate {path}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

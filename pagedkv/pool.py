@@ -13,7 +13,7 @@ import xxhash
 from . import faults
 from .codec import FORMAT_VERSION
 from .errors import FormatVersionError, StoreCorrupt
-from .files import create_private_file, fsync_dir, io_error, open_existing
+from .files import create_private_file, fsync_dir, io_error, open_file
 from .geometry import DTYPES, Geometry
 
 HEADER_NBYTES = 4096
@@ -107,8 +107,13 @@ class PagePool:
 
     @classmethod
     def open(cls, path: str, writable: bool) -> PagePool:
-        """Open an existing ``pool.bin``, validating its header and exact size before mapping."""
-        fd = open_existing(path, writable)
+        """Open an existing ``pool.bin``, validating its header and exact size before mapping.
+
+        Everything is read from, and the mapping made of, the one descriptor that
+        was checked to be a regular file of this user's: a name swapped meanwhile
+        changes nothing.
+        """
+        fd = open_file(path, writable=writable)
         try:
             raw = os.pread(fd, HEADER_NBYTES, 0)
             geom, store_uuid, pool_pages = unpack_header(raw, path)
@@ -116,6 +121,9 @@ class PagePool:
             actual = os.fstat(fd).st_size
             if actual != expected:
                 raise StoreCorrupt(f"{path}: file is {actual} bytes, its header implies {expected}")
+        except OSError as exc:
+            os.close(fd)
+            raise io_error(exc, f"cannot read {path}") from None
         except BaseException:
             os.close(fd)
             raise
