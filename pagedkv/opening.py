@@ -10,6 +10,8 @@ import uuid as uuidlib
 import weakref
 from typing import Any
 
+import lmdb
+
 from . import faults
 from .codec import FORMAT_VERSION
 from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
@@ -61,13 +63,17 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                readonly: bool = False, evict_batch: int = 64, map_size: int | None = None,
                allow_remote: bool = False, model: str | None = None,
                allow_model_change: bool = False, spill_limit_bytes: int | None = None,
-               spill_codec: str = "raw", write_behind: bool | None = None) -> KVStore:
+               spill_codec: str = "raw", write_behind: bool | None = None,
+               recreate: bool = False) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
         geometry, pool_pages: required to create; checked against the store when given.
         durability: "durable" (flush + synced commits), "nosync" (survives a process
-            crash), or "volatile" (nothing persists: an existing store is recreated).
+            crash), or "volatile" (nothing persists: the store is recreated empty, and
+            one holding committed data is refused unless ``recreate``).
+        recreate: with durability="volatile", allow erasing an existing store that holds
+            committed data (geometry and pool size kept unless given).
         readonly: open without the writer lock and without writing a byte.
         evict_batch: pages spilled per LMDB transaction when the pool is full.
         map_size: initial LMDB map size in bytes (it doubles on its own when full).
@@ -83,13 +89,15 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             wait for spill I/O only when no slot is free (default: ``PAGEDKV_WRITE_BEHIND=1``).
     Raises:
         StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, StoreIOError (an
-        unreadable directory or file), PagedKVError.
+        unreadable directory or file), PagedKVError (a volatile open that would erase data).
     """
     path = os.fspath(path)
     if durability not in DURABILITY:
         raise PagedKVError(f"durability must be one of {DURABILITY}, got {durability!r}")
     if readonly and durability == "volatile":
         raise PagedKVError("a volatile store cannot be opened read-only")
+    if recreate and (readonly or durability != "volatile"):
+        raise PagedKVError("recreate=True applies to durability='volatile' only (it erases the store)")
     if pool_pages is not None and (isinstance(pool_pages, bool) or not isinstance(pool_pages, int)
                                    or pool_pages < 1):
         raise PagedKVError(f"pool_pages must be a positive int, got {pool_pages!r}")
@@ -123,15 +131,20 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             raise StoreLocked(f"{path} is open for writing in this process (pid {os.getpid()}); "
                               "read through that handle")
         return _open_existing(path, opts, None)
-    if empty:
-        _create(path, opts)
-    elif not is_store(path):
+    created = empty and _create(path, opts)
+    if not empty and not is_store(path):
         raise PagedKVError(f"{path} exists and is not a pagedkv store; refusing to touch it")
     _require_pool_magic(path)
-    lock = WriterLock(os.path.join(path, LOCK_FILE))
+    wipe = durability == "volatile" and not created
+    lock_path = os.path.join(path, LOCK_FILE)
+    if wipe and not recreate and lock_holder(lock_path) is None:
+        _refuse_erasing(path)  # before the lock, so that a refusal leaves every byte (LOCK too)
+    lock = WriterLock(lock_path)
     faults.crashpoint("open.after_lock")
     try:
-        if durability == "volatile":
+        if wipe:
+            if not recreate:
+                _refuse_erasing(path)  # again: a writer may have committed before we locked
             _recreate(path, opts)
         store = _open_existing(path, opts, lock)
     except BaseException:
@@ -149,8 +162,34 @@ def _require_lock_file(path: str) -> None:
         refuse_untrusted(lock_path, seen, writable=False)
 
 
-def _create(path: str, opts: StoreOptions) -> None:
-    """Build the store in a private sibling directory, then rename it into place."""
+def _refuse_erasing(path: str) -> None:
+    """Raise unless erasing the store at ``path`` loses nothing: it holds no commit.
+
+    A store only ever opened volatile has none (volatile commits are no-ops), so
+    reopening it volatile goes ahead; a store that cannot be read might hold data.
+    """
+    hint = "pass recreate=True to replace it, or open it 'durable' or 'nosync'"
+    try:
+        spill = SpillStore(os.path.join(path, SPILL_DIR), readonly=True, create=False, sync=False)
+    except PagedKVError as exc:
+        raise PagedKVError(f"{path}: durability='volatile' would erase this store, and whether it holds "
+                           f"committed data cannot be told ({exc}); {hint}") from None
+    try:
+        with spill.begin_read() as txn:
+            committed = txn.get(b"state", db=spill.meta) is not None
+    except lmdb.Error as exc:
+        raise StoreCorrupt(f"{path}: cannot read the commit state ({exc})") from None
+    finally:
+        spill.close()
+    if committed:
+        raise PagedKVError(f"{path} holds committed data that durability='volatile' would erase; {hint}")
+
+
+def _create(path: str, opts: StoreOptions) -> bool:
+    """Build the store in a private sibling directory, then rename it into place.
+
+    Returns False when another process created it first (then it is theirs).
+    """
     if opts.geometry is None or opts.pool_pages is None:
         raise PagedKVError(f"{path} holds no store; creating one needs geometry and pool_pages")
     parent, name = os.path.split(os.path.abspath(path))
@@ -167,11 +206,12 @@ def _create(path: str, opts: StoreOptions) -> None:
             if not is_store(path):
                 raise PagedKVError(f"{path} appeared while the store was being created") from None
             shutil.rmtree(temp, ignore_errors=True)  # another process created it first; open theirs
-            return
+            return False
         fsync_dir(parent)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+    return True
 
 
 def _remove_abandoned(parent: str, name: str) -> None:
