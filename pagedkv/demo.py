@@ -25,38 +25,76 @@ import numpy as np
 import pagedkv
 
 from .errors import PagedKVError, StoreLocked
+from .files import io_error, list_dir, lookup, open_file
 from .geometry import Geometry
 from .kvgen import DemoFailed, Request, check_read, expected_kv
 from .lockfile import lock_holder
+from .persist import read_superblock
 from .pool import MAGIC
+from .spill import SpillStore
 from .store import KVStore
 
 Progress = Callable[[int], None]
 _TWIN = 1_000_000  # origin offset of a second sample's own tokens
+# The model fingerprint of every store a demo makes: it marks the store as the
+# demo's, so a later demo may replace it without --force.
+DEMO_MODEL = "pagedkv-demo"
 
 
-def prepare_path(path: str) -> str:
-    """Make ``path`` ready for a new store: "new", "empty", or "replaced" (an old pagedkv store).
+def prepare_path(path: str, force: bool = False) -> str:
+    """Make ``path`` ready for a new store: "new", "empty", or "replaced" (an earlier demo's store).
 
-    Refuses a file, a symlink, a store a live writer holds, and any other non-empty directory.
+    Only a store a demo made (its model fingerprint is ``DEMO_MODEL``) is replaced,
+    or, with ``force``, any pagedkv store. Refuses a file, a symlink, a store a live
+    writer holds, any other store without ``force``, and any other non-empty
+    directory even with it (pagedkv removes only what it would have made).
     """
-    if os.path.islink(path):
-        raise PagedKVError(f"{path} is a symbolic link; refused")
-    if not os.path.lexists(path):
+    seen = lookup(path)
+    if seen is None:
         return "new"
-    if not os.path.isdir(path):
+    if stat.S_ISLNK(seen.st_mode):
+        raise PagedKVError(f"{path} is a symbolic link; refused")
+    if not stat.S_ISDIR(seen.st_mode):
         raise PagedKVError(f"{path} exists and is not a directory")
-    names = set(os.listdir(path))
+    names = set(list_dir(path))
     if not names:
         return "empty"
     if not _is_pagedkv_store(path, names):
         raise PagedKVError(f"{path} is a non-empty directory that is not a pagedkv store; "
-                           "refusing to overwrite it")
+                           "refusing to overwrite it (even with --force)")
     holder = lock_holder(os.path.join(path, "LOCK"))
     if holder is not None:
         raise StoreLocked(f"{path} is in use by a writer (pid {holder}); not replacing it")
-    shutil.rmtree(path)
+    if not force:
+        why = _not_demo_made(path)
+        if why:
+            raise PagedKVError(f"{path} holds a pagedkv store that {why}; refusing to replace it "
+                               "(pass --force to replace it)")
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise io_error(exc, f"cannot remove the old store at {path}") from None
     return "replaced"
+
+
+def create_demo_store(path: str, geom: Geometry, pool_pages: int, durability: str) -> None:
+    """Create an empty store at a prepared ``path``, marked as a demo's (for workloads that reopen it)."""
+    pagedkv.open(path, geom, pool_pages=pool_pages, durability=durability, model=DEMO_MODEL).close()
+
+
+def _not_demo_made(path: str) -> str | None:
+    """None if the store at ``path`` was made by a demo, else why it does not count as one."""
+    try:
+        spill = SpillStore(os.path.join(path, "spill"), readonly=True, create=False, sync=False)
+    except PagedKVError as exc:
+        return f"cannot be read ({exc})"
+    try:
+        model = read_superblock(spill).get("model")
+    except PagedKVError as exc:
+        return f"cannot be read ({exc})"
+    finally:
+        spill.close()
+    return None if model == DEMO_MODEL else f"pagedkv demo did not make (model {model!r})"
 
 
 def _is_pagedkv_store(path: str, names: set[str]) -> bool:
@@ -66,13 +104,27 @@ def _is_pagedkv_store(path: str, names: set[str]) -> bool:
     spill = os.path.join(path, "spill")
     files = [os.path.join(path, name) for name in names if name != "spill"]
     if "spill" in names:
-        if not stat.S_ISDIR(os.lstat(spill).st_mode) or not set(os.listdir(spill)) <= {"data.mdb", "lock.mdb"}:
+        seen = lookup(spill)
+        if seen is None or not stat.S_ISDIR(seen.st_mode):
             return False
-        files += [os.path.join(spill, name) for name in os.listdir(spill)]
-    if not all(stat.S_ISREG(os.lstat(name).st_mode) for name in files):
+        inside = set(list_dir(spill))
+        if not inside <= {"data.mdb", "lock.mdb"}:
+            return False
+        files += [os.path.join(spill, name) for name in inside]
+    for name in files:
+        seen = lookup(name)
+        if seen is None or not stat.S_ISREG(seen.st_mode):
+            return False
+    try:
+        fd = open_file(os.path.join(path, "pool.bin"), writable=False)
+    except PagedKVError:
         return False
-    with open(os.path.join(path, "pool.bin"), "rb") as fh:
-        return fh.read(len(MAGIC)) == MAGIC
+    try:
+        return os.pread(fd, len(MAGIC), 0) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -112,7 +164,7 @@ def run_serving(path: str, geom: Geometry, pool_pages: int, sequences: int, max_
                       int(rng.integers(max(1, max_new_tokens // 2), max_new_tokens + 1)))
                      for rid in range(1, sequences + 1))
     started = time.perf_counter()
-    with pagedkv.open(path, geom, pool_pages=pool_pages, durability=durability) as store:
+    with pagedkv.open(path, geom, pool_pages=pool_pages, durability=durability, model=DEMO_MODEL) as store:
         state = _Serving(store, geom, seed, rng)
         while arrivals or state.running:
             for _ in range(2):  # arrivals per step: a burst would miss the cache all at once

@@ -1,20 +1,29 @@
-"""No store is wiped without being asked: volatile opens refuse to destroy committed data.
+"""No store is wiped without being asked: volatile opens and ``pagedkv demo`` refuse to destroy.
 
-A volatile open erases what it opens; it must refuse a store that holds committed
-data, leaving every byte of it, and say how to allow the replacement.
+A volatile open erases what it opens, and the demo replaces what lies at its path;
+both must refuse a store that holds committed data someone else made, leaving every
+byte of it, and say how to allow the replacement.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import pagedkv
 from pagedkv import PagedKVError
 from pagedkv import opening
+from pagedkv.cli import cli
+from pagedkv.demo import DEMO_MODEL, prepare_path
 from support import GEOM, build_committed, kv
+
+SMALL_DEMO = ["--preset", "tiny", "--pool-pages", "24", "--sequences", "12", "--tokens", "16"]
+SAFE = re.compile(r"[\x20-\x7e\t\n]*")
 
 
 def tree_state(root: Path) -> dict[str, tuple[bytes | None, int, int]]:
@@ -115,3 +124,97 @@ def test_recreate_is_only_for_volatile_opens(tmp_path: Path) -> None:
             pagedkv.open(path, **kwargs)
     assert tree_state(path) == before
     _verify(path, model)
+
+
+# -- pagedkv demo ------------------------------------------------------------------------------
+
+
+def _runner() -> CliRunner:
+    try:  # click < 8.2 mixes stderr into stdout unless told not to
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        return CliRunner()
+
+
+def run(*args: Any, code: int = 0) -> Any:
+    result = _runner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert SAFE.fullmatch(result.stdout) and SAFE.fullmatch(result.stderr)
+    return result
+
+
+def demo(path: Path, *extra: Any) -> dict[str, Any]:
+    return json.loads(run("demo", path, "--json", *extra).stdout)
+
+
+def assert_refused(path: Path, *args: Any, mention: str) -> str:
+    """The demo exits 2 with one ``Error:`` line that mentions ``mention``; nothing under ``path`` changes."""
+    before = tree_state(path)
+    result = run("demo", path, *args, code=2)
+    lines = result.stderr.splitlines()
+    assert result.stdout == "" and len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert mention in lines[0], lines[0]
+    assert tree_state(path) == before, "a refused demo touched the path"
+    return lines[0]
+
+
+@pytest.mark.parametrize("model", [None, "llama-3-8b@sha256:abc"], ids=["no-model", "other-model"])
+@pytest.mark.parametrize("workload", [SMALL_DEMO, ["--seed-workload", "--durability", "nosync"]],
+                         ids=["serving", "seed"])
+def test_demo_refuses_a_store_it_did_not_make(tmp_path: Path, model: str | None, workload: list) -> None:
+    path = tmp_path / "mine.kv"
+    kept = _committed_store(path, model=model)
+    assert_refused(path, *workload, mention="--force")
+    _verify(path, kept)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "forced"])
+def test_demo_refuses_a_directory_that_is_not_a_store(tmp_path: Path, force: list) -> None:
+    path = tmp_path / "notes"
+    path.mkdir()
+    (path / "keep.txt").write_text("precious")
+    (path / "pool.bin").write_bytes(b"not a pool at all")
+    assert_refused(path, *SMALL_DEMO, *force, mention=str(path))
+    assert (path / "keep.txt").read_text() == "precious"
+
+
+def test_demo_force_replaces_a_store_it_did_not_make(tmp_path: Path) -> None:
+    path = tmp_path / "mine.kv"
+    _committed_store(path)
+    with pagedkv.open(path, readonly=True) as store:
+        old_uuid = store.uuid
+    out = demo(path, *SMALL_DEMO, "--force")
+    assert out["store"] == "replaced" and out["verified"] is True
+    with pagedkv.open(path, readonly=True) as store:
+        assert store.model == DEMO_MODEL
+        assert "a" not in store.sequences() and store.uuid != old_uuid
+    assert demo(path, *SMALL_DEMO)["store"] == "replaced"  # now it is the demo's own: no --force
+
+
+@pytest.mark.parametrize("first, second", [
+    (SMALL_DEMO, SMALL_DEMO),
+    (["--seed-workload", "--durability", "nosync"], SMALL_DEMO),
+    (SMALL_DEMO, ["--seed-workload", "--durability", "nosync"]),
+], ids=["serving-serving", "seed-serving", "serving-seed"])
+def test_demo_replaces_a_store_a_demo_made_without_force(tmp_path: Path, first: list, second: list) -> None:
+    path = tmp_path / "demo.kv"
+    assert demo(path, *first)["store"] == "new"
+    with pagedkv.open(path, readonly=True) as store:
+        assert store.model == DEMO_MODEL
+    assert demo(path, *second)["store"] == "replaced"
+    with pagedkv.open(path, readonly=True) as store:
+        assert store.model == DEMO_MODEL
+        assert store.check() == []
+
+
+def test_prepare_path_refuses_a_foreign_store_by_default(tmp_path: Path) -> None:
+    """Callers of the Python API (the seed workload among them) get the same protection."""
+    path = tmp_path / "mine.kv"
+    model = _committed_store(path)
+    before = tree_state(path)
+    with pytest.raises(PagedKVError, match="force"):
+        prepare_path(str(path))
+    assert tree_state(path) == before
+    assert prepare_path(str(path), force=True) == "replaced"
+    assert not path.exists()
+    del model
