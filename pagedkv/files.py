@@ -28,6 +28,15 @@ FileId = tuple[int, int]  # (st_dev, st_ino): which file, whatever its name
 # another thread must not be among them.
 OPENING = threading.RLock()
 
+
+def _fresh_opening_lock() -> None:
+    # A child forked while another thread held the lock would wait for it forever.
+    global OPENING
+    OPENING = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_opening_lock)
+
 _KINDS = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
           (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
 _NOT_REGULAR = (errno.ENXIO, errno.EISDIR, errno.ENOTDIR, errno.EOPNOTSUPP)

@@ -426,3 +426,33 @@ def test_healthy_store_opens_in_every_mode(tmp_path: Path) -> None:
     for kwargs in ({}, {"readonly": True}, {"durability": "nosync"}, {"geometry": GEOM, "pool_pages": 4}):
         with pagedkv.open(path, **kwargs) as store:
             model.verify_all(store)
+
+
+def test_a_child_forked_while_a_store_opens_can_open_stores(tmp_path: Path) -> None:
+    """The process-wide opening lock is fresh in a forked child, whichever thread held it at the fork."""
+    import threading
+
+    from pagedkv import files
+
+    path = tmp_path / "store"
+    model = _build(path)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread, in the middle of opening a store
+        with files.OPENING:
+            held.set()
+            done.wait()
+
+    def open_in_child() -> int:
+        with pagedkv.open(path, readonly=True) as store:
+            return store.length("a")
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        result = in_child(open_in_child, timeout=OPEN_TIMEOUT)
+    finally:
+        done.set()
+        holder.join()
+    assert result.status == "ok" and result.value == model.lens["a"], str(result)
