@@ -177,6 +177,7 @@ def _each_page(store: KVStore, seq: Sequence, first: int, last: int,
         pids = seq.pids[lo:min(last, lo + chunk)].copy()
         slots = mgr.ensure_resident(pids)
         mgr.verify_many(pids)
+        mgr.verify_committed(pids)
         for index, slot in enumerate(slots.tolist(), lo):
             copy_out(index, mgr.pool[slot])
 

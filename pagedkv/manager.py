@@ -332,6 +332,21 @@ class BlockManager(Directory):
                               "(damaged, or reused by a live writer since this handle opened)", uid)
         return page
 
+    def verify_committed(self, pids: np.ndarray) -> None:
+        """Check the committed tokens of resident pages ``pids`` against their committed checksum.
+
+        Done on every read, not once: ``store.pool`` is the engine's to write, and a
+        write through a stale slot mapping lands in whatever page holds that slot
+        now. Tokens written since the last commit have no checksum yet.
+        """
+        for pid in pids[self.c_where[pids] != NOWHERE].tolist():
+            fill, uid = int(self.c_fill[pid]), int(self.uid[pid])
+            if fill and page_checksum(self.pool[self.slot[pid]], fill, uid, self.seed) != int(self.c_csum[pid]):
+                self.corrupt[pid] = True
+                self.stats.add("misses")
+                raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} no longer holds its "
+                                  "committed bytes (written outside its step?)", uid)
+
     def verify_many(self, pids: np.ndarray) -> None:
         """``verify`` each page that has not been verified since reopen."""
         for pid in pids[~self.verified[pids]].tolist():

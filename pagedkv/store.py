@@ -337,10 +337,13 @@ class KVStore:
         persist.commit(self._mgr, self._dirty, self._dropped, self._state,
                        durable=self.durability == "durable")
         if full_sync and self.durability != "durable":
-            # nosync commits skipped every flush: make all of it durable now.
-            self._pool_file.flush_slots(np.arange(self.pool_pages))
-            self._spill.sync()
+            self._sync_all()
         self._stats.add("commits")
+
+    def _sync_all(self) -> None:
+        """Flush every pool slot and sync LMDB: nosync commits skipped both."""
+        self._pool_file.flush_slots(np.arange(self.pool_pages))
+        self._spill.sync()
 
     @_op(write=False)
     def prefetch(self, seq_ids: Iterable[SeqId]) -> Prefetch:
@@ -357,6 +360,13 @@ class KVStore:
 
     def close(self) -> None:
         """Commit (unless read-only, volatile or poisoned), then release every resource."""
+        self._close(commit=True)
+
+    def _close(self, commit: bool) -> None:
+        """Release the handle; without ``commit``, what changed since the last commit is dropped.
+
+        Either way the last commit is made durable (a nosync store syncs it).
+        """
         if self._active_steps.get(threading.get_ident()):
             raise SequenceBusy("close() inside an active step of this thread")
         self._stop_threads()
@@ -368,8 +378,11 @@ class KVStore:
             try:
                 if not self.readonly and not self._poisoned and os.getpid() == self._pid:
                     self._wait_no_steps("close()")
-                    self._commit(full_sync=True)
-                    faults.crashpoint("close.after_commit")
+                    if commit:
+                        self._commit(full_sync=True)
+                        faults.crashpoint("close.after_commit")
+                    elif self.durability == "nosync":
+                        self._sync_all()
             finally:
                 self._release()
 
@@ -403,8 +416,13 @@ class KVStore:
     def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Commit and close on a clean exit; on an exception, roll back to the last commit and close.
+
+        Like ``sqlite3``'s connection: a block that fails leaves nothing of its
+        own changes behind (the handle is closed either way).
+        """
+        self._close(commit=exc_type is None)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._seqs)} sequences"
