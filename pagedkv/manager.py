@@ -71,6 +71,7 @@ class BlockManager(Directory):
         self.bg_pins = np.zeros(self.pool_pages, np.int32)
         self.wait_background: Callable[[], None] | None = None
         self.sealed = True  # committed metadata carries checksums (false while format 1 loads)
+        self.pool_exposed = False  # whether store.pool was handed out (anyone may write it since)
 
     # -- allocation --------------------------------------------------------
     def new_page(self) -> int:
@@ -335,10 +336,14 @@ class BlockManager(Directory):
     def verify_committed(self, pids: np.ndarray) -> None:
         """Check the committed tokens of resident pages ``pids`` against their committed checksum.
 
-        Done on every read, not once: ``store.pool`` is the engine's to write, and a
-        write through a stale slot mapping lands in whatever page holds that slot
-        now. Tokens written since the last commit have no checksum yet.
+        Done on every read, not once, once ``store.pool`` was handed out: it is the
+        engine's to write, and a write through a stale slot mapping lands in
+        whatever page holds that slot now. A handle whose pool no one outside
+        pagedkv holds skips it. Tokens written since the last commit have no
+        checksum yet.
         """
+        if not self.pool_exposed:
+            return
         for pid in pids[self.c_where[pids] != NOWHERE].tolist():
             fill, uid = int(self.c_fill[pid]), int(self.uid[pid])
             if fill and page_checksum(self.pool[self.slot[pid]], fill, uid, self.seed) != int(self.c_csum[pid]):

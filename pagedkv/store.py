@@ -146,6 +146,7 @@ class KVStore:
     def pool(self) -> np.ndarray:
         """The pool slots: ndarray ``(pool_pages, layers, 2, page_size, kv_heads, head_dim)``."""
         self._usable(False)
+        self._mgr.pool_exposed = True  # from now on reads re-check committed bytes (see verify_committed)
         return self._mgr.pool
 
     # -- sequences -----------------------------------------------------------
