@@ -151,7 +151,8 @@ def summary_text(info: dict[str, Any]) -> str:
         writer_text = "none"
     items = [
         ("store", one_line(info["path"])),
-        ("format version", str(info["format_version"])),
+        ("format version", str(info["format_version"]) + (
+            "" if info["metadata_checked"] else " (metadata without checksums; a writer's open adds them)")),
         ("uuid", info["uuid"]),
         ("created", info["created"] or "-"),
         ("geometry", geometry_text(info["geometry"])),

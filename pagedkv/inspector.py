@@ -63,6 +63,7 @@ def summary(snap: Snapshot) -> dict[str, Any]:
     return {
         "path": snap.path,
         "format_version": sb["format"],
+        "metadata_checked": bool(store._mgr.sealed),  # format 1 kept no metadata checksums
         "uuid": store.uuid,
         "created": _iso(sb.get("created")),
         "geometry": geom.to_dict(),

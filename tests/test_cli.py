@@ -240,7 +240,7 @@ def test_demo_refuses_a_store_in_use(store_path: Path) -> None:
 
 # -- inspect --------------------------------------------------------------------------
 
-SUMMARY_KEYS = {"path", "format_version", "uuid", "created", "geometry", "model", "page_bytes", "token_bytes",
+SUMMARY_KEYS = {"path", "format_version", "metadata_checked", "uuid", "created", "geometry", "model", "page_bytes", "token_bytes",
                 "pool", "pages", "prefix_cache", "lifetime", "spill_codecs", "lmdb", "sequences", "tokens",
                 "last_commit", "writer", "snapshot", "notes"}
 PREFIX_KEYS = {"shared_pages", "cached_pages", "queries", "query_tokens", "hit_tokens", "hit_pages", "hit_rate"}
@@ -501,6 +501,7 @@ def test_sample_store_inspects_and_verifies_in_place() -> None:
     assert run_json("verify", SAMPLE)["ok"] is True
     summary = run_json("inspect", SAMPLE)
     assert summary["format_version"] == 1 and summary["pages"]["spilled"] > 0
+    assert summary["metadata_checked"] is False and "without checksums" in run("inspect", SAMPLE).stdout
     assert summary["sequences"] == len(make_sample.SEQUENCES)
     assert summary["pages"]["shared"] > 0 and summary["pages"]["cached"] == 3
     assert summary["model"] == make_sample.MODEL
