@@ -1,0 +1,357 @@
+"""The worker side: the store's one writer, filling vLLM's blocks and saving what vLLM computed.
+
+Loads run before the forward pass: for each planned job a short-lived sequence
+is created with the job's token ids (sharing the store's cached pages, no copy),
+its pages are read in pool layout and copied into the blocks vLLM allocated, and
+the sequence is dropped. Pages that are gone, or fail their checksum, become
+load errors: vLLM recomputes from the first of them.
+
+Saves are split so that a step never waits on disk: after the forward pass the
+planned blocks are copied out of vLLM's caches into staging arrays (memory
+only), and a writer thread appends them to the store (again through a
+short-lived sequence created with the request's token ids, so only pages the
+store lacks are written) and commits once per batch of steps. Loads wait only
+until the saves queued before them are appended (not committed), so a page
+planned one step is loadable the next.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...errors import PageCorrupt, PagedKVError, StoreFull
+from ...geometry import Geometry
+from ...opening import open_store
+from ...store import KVStore
+from .config import ConnectorConfig
+from .layouts import LayerCaches
+from .meta import PageJob, PagedKVStats, StepPlan, WorkerReport
+from .shared import log, register_worker_store
+
+__all__ = ["WorkerSide", "SEQ_PREFIX"]
+
+SEQ_PREFIX = "vllm:"  # ids of the connector's short-lived sequences (leftovers of a crash are dropped)
+
+
+@dataclass
+class _Staged:
+    """A save job with its pages copied out of vLLM's blocks."""
+
+    job: PageJob
+    k: np.ndarray  # (layers, pages, page_size, kv_heads, head_dim)
+    v: np.ndarray
+
+
+class WorkerSide:
+    """The writer handle, the layout of vLLM's caches, and the writer thread.
+
+    Params:
+        config: the connector's settings.
+        geometry: the store geometry derived from vLLM's KV cache spec.
+        layer_names: vLLM's attention layers in layer order.
+        fingerprint: the model fingerprint the store is opened with.
+        num_blocks: vLLM blocks per layer cache.
+    """
+
+    def __init__(self, config: ConnectorConfig, geometry: Geometry, layer_names: list[str],
+                 fingerprint: str, num_blocks: int) -> None:
+        self.config, self.geometry, self.layer_names = config, geometry, layer_names
+        self.num_blocks = num_blocks
+        self.stats = PagedKVStats()
+        self._stats_lock = threading.Lock()
+        self.caches: LayerCaches | None = None
+        self.store: KVStore | None = None
+        self.disabled: str | None = None
+        self._ids = itertools.count()
+        self._load_errors: set[int] = set()
+        self._forget: list[bytes] = []
+        self._sending: set[str] = set()  # finished requests whose last save is staged
+        self._cond = threading.Condition()
+        self._queue: list[list[_Staged]] = []
+        self._queued_bytes = 0
+        self._enqueued = self._applied = self._committed = 0  # batches queued / appended / committed
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        try:
+            self.store = open_store(config.path, geometry, model=fingerprint, **config.open_kwargs(geometry))
+            self._drop_leftovers()
+        except PagedKVError as exc:
+            self._disable(f"cannot open the store at {config.path}: {exc}")
+            return
+        register_worker_store(config.path, self.store)
+        self._thread = threading.Thread(target=self._write_loop, name="pagedkv-vllm-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)
+        log.info("pagedkv: store %s open for writing (%s)", config.path, geometry)
+
+    def _count(self, name: str, amount: int | float = 1) -> None:
+        with self._stats_lock:  # the writer thread counts too
+            self.stats.add(name, amount)
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        self._count("store_errors")
+        log.error("pagedkv: connector disabled, every token is computed: %s", reason)
+
+    def _drop_leftovers(self) -> None:
+        """Drop the short-lived sequences a crashed engine left committed (their pages stay cached)."""
+        assert self.store is not None
+        leftovers = [seq for seq in self.store.sequences() if isinstance(seq, str) and seq.startswith(SEQ_PREFIX)]
+        for seq in leftovers:
+            self.store.drop(seq)
+        if leftovers:
+            self.store.commit()
+
+    def _seq_id(self, kind: str) -> str:
+        return f"{SEQ_PREFIX}{os.getpid()}:{kind}:{next(self._ids)}"
+
+    def register(self, kv_caches: dict[str, Any], layout: str) -> None:
+        """Bind vLLM's per-layer caches (``register_kv_caches``)."""
+        missing = [name for name in self.layer_names if name not in kv_caches]
+        if missing:
+            raise PagedKVError(f"vLLM registered no KV cache for layers {missing}")
+        self.caches = LayerCaches([kv_caches[name] for name in self.layer_names], self.geometry,
+                                  self.num_blocks, layout)
+
+    def _tokens(self, job: PageJob) -> np.ndarray:
+        ids = np.asarray(job.token_ids, np.uint32)
+        if job.namespace is None:
+            return ids
+        return np.concatenate([np.asarray(job.namespace, np.uint32), ids])
+
+    # -- loads -----------------------------------------------------------------
+    def load(self, plan: StepPlan) -> None:
+        """Fill the blocks of this step's load jobs; what cannot be loaded becomes a load error."""
+        if not plan.loads:
+            return
+        started = time.perf_counter()
+        self._wait_applied()
+        for job in plan.loads:
+            loaded = self._load_job(job) if self.store is not None and self.caches is not None else 0
+            if loaded < job.last - job.first:
+                self._load_errors.update(job.block_ids[loaded:])
+                with self._stats_lock:
+                    self._forget.extend(job.digests[loaded:loaded + 1])
+                self._count("load_errors", job.last - job.first - loaded)
+            self._count("pages_loaded", loaded)
+        self._count("load_us", (time.perf_counter() - started) * 1e6)
+
+    def _load_job(self, job: PageJob) -> int:
+        """Copy pages ``[first, last)`` of the job into its blocks; return how many were."""
+        assert self.store is not None and self.caches is not None
+        store, size = self.store, self.geometry.page_size
+        shift = 0 if job.namespace is None else 1
+        seq = self._seq_id("load")
+        try:
+            reused = store.create(seq, tokens=self._tokens(job))
+        except PagedKVError as exc:
+            self._count("store_errors")
+            log.warning("pagedkv: load of %s failed, recomputing: %s", job.req_id, exc)
+            return 0
+        try:
+            held = min(reused // size - shift, job.last)
+            if held <= job.first:
+                return 0
+            try:
+                pages = store.read_pages(seq, shift + job.first, shift + held)
+            except PageCorrupt:
+                pages = self._read_until_corrupt(seq, shift + job.first, shift + held)
+            self.caches.scatter(job.block_ids[:len(pages)], pages)
+            return len(pages)
+        except PagedKVError as exc:
+            self._count("store_errors")
+            log.warning("pagedkv: load of %s failed, recomputing: %s", job.req_id, exc)
+            return 0
+        finally:
+            try:
+                store.drop(seq)
+            except PagedKVError:
+                pass
+
+    def _read_until_corrupt(self, seq: str, first: int, last: int) -> np.ndarray:
+        """The pages of ``[first, last)`` before the first one that fails its checksum."""
+        assert self.store is not None
+        good = []
+        for index in range(first, last):
+            try:
+                good.append(self.store.read_pages(seq, index, index + 1))
+            except PageCorrupt as exc:
+                log.warning("pagedkv: %s; recomputing from there", exc)
+                break
+        if not good:
+            return np.empty((0, *self.geometry.page_shape), self.geometry.np_dtype)
+        return np.concatenate(good)
+
+    def _wait_applied(self) -> None:
+        """Until every save queued so far is appended (a load may need its pages)."""
+        with self._cond:
+            target = self._enqueued
+            while self._applied < target and self._thread is not None and self._thread.is_alive():
+                self._cond.wait()
+
+    def flush(self) -> None:
+        """Until every save queued so far is appended and committed (or the writer has stopped)."""
+        with self._cond:
+            target = self._enqueued
+            while self._committed < target and self._thread is not None and self._thread.is_alive():
+                self._cond.wait()
+
+    # -- saves -----------------------------------------------------------------
+    def save(self, plan: StepPlan) -> None:
+        """Copy this step's save jobs out of vLLM's blocks and queue them for the writer thread."""
+        if not plan.saves:
+            return
+        started = time.perf_counter()
+        batch: list[_Staged] = []
+        geom = self.geometry
+        for job in plan.saves:
+            count = job.last - job.first
+            nbytes = count * geom.page_nbytes
+            if job.finished:
+                self._sending.add(job.req_id)
+            if self.store is None or self.caches is None or self._stopping or \
+                    self._queued_bytes + nbytes > self.config.save_queue_bytes:
+                self._drop(job)
+                continue
+            shape = (geom.layers, count, geom.page_size, geom.kv_heads, geom.head_dim)
+            k, v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
+            self.caches.gather(job.block_ids, k, v)
+            batch.append(_Staged(job, k, v))
+            with self._cond:
+                self._queued_bytes += nbytes
+        if batch:
+            with self._cond:
+                self._queue.append(batch)
+                self._enqueued += 1
+                self._cond.notify_all()
+        self._count("save_us", (time.perf_counter() - started) * 1e6)
+
+    def _drop(self, job: PageJob) -> None:
+        self._count("save_dropped", job.last - job.first)
+        with self._stats_lock:
+            self._forget.extend(job.digests)
+
+    def _write_loop(self) -> None:
+        """The writer thread: append staged saves, then commit once for everything taken."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue and self._stopping:
+                    return
+                batches, self._queue = self._queue, []
+            started = time.perf_counter()
+            for batch in batches:
+                for staged in batch:
+                    self._append(staged)
+                    with self._cond:
+                        self._queued_bytes -= staged.k.nbytes + staged.v.nbytes
+            with self._cond:
+                self._applied += len(batches)
+                self._cond.notify_all()
+            self._commit()
+            with self._cond:
+                self._committed += len(batches)
+                self._cond.notify_all()
+            self._count("save_us", (time.perf_counter() - started) * 1e6)
+
+    def _append(self, staged: _Staged) -> None:
+        """Append the pages of one save job the store lacks (the rest it holds already)."""
+        job, store = staged.job, self.store
+        if store is None:
+            return self._drop(job)
+        size, shift = self.geometry.page_size, 0 if job.namespace is None else 1
+        tokens = self._tokens(job)
+        count = job.last - job.first
+        seq = self._seq_id("save")
+        try:
+            if store.lookup(tokens) >= len(tokens):
+                self._count("pages_already_held", count)
+                return None
+            have = store.create(seq, tokens=tokens) // size
+            if shift and have == 0:
+                zeros = np.zeros((self.geometry.layers, size, *self.geometry.token_shape), self.geometry.np_dtype)
+                store.append(seq, zeros, zeros, tokens=tokens[:size])
+                have = 1
+            start = have - shift - job.first  # staged pages the store holds already
+            if start < 0:  # the pages before this job are gone: the chain cannot be continued
+                return self._drop(job)
+            if start < count:
+                geom = self.geometry
+                k = staged.k[:, start:].reshape(geom.layers, -1, *geom.token_shape)
+                v = staged.v[:, start:].reshape(geom.layers, -1, *geom.token_shape)
+                store.append(seq, k, v, tokens=tokens[(have) * size:])
+            self._count("pages_saved", count - start)
+            self._count("pages_already_held", start)
+        except StoreFull:
+            self._drop(job)
+        except PagedKVError as exc:
+            self._count("store_errors")
+            log.warning("pagedkv: save of %s failed: %s", job.req_id, exc)
+            self._drop(job)
+        finally:
+            try:
+                store.drop(seq)
+            except PagedKVError:
+                pass
+        return None
+
+    def _commit(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.commit()
+            self._count("commits")
+        except PagedKVError as exc:
+            self._count("store_errors")
+            log.warning("pagedkv: commit failed: %s", exc)
+
+    # -- reporting ---------------------------------------------------------------
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Finished requests whose last save is staged (their blocks may be freed now)."""
+        done, self._sending = self._sending, set()
+        return done or None
+
+    def load_errors(self) -> set[int]:
+        """Block ids that failed to load since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def report(self) -> WorkerReport | None:
+        """Hashes the scheduler's view must forget, since the last call."""
+        with self._stats_lock:
+            if not self._forget:
+                return None
+            report, self._forget = WorkerReport(self._forget), []
+        return report
+
+    def take_stats(self) -> PagedKVStats | None:
+        """The worker side's counters since the last call, or None if nothing was counted."""
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, PagedKVStats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Land every queued save, commit, and close the store (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+            thread.join()
+        store, self.store = self.store, None
+        if store is not None:
+            try:
+                store.close()
+            except PagedKVError as exc:
+                log.warning("pagedkv: closing the store failed: %s", exc)

@@ -1,0 +1,87 @@
+"""Helpers of the vLLM tests: a tiny random-weight Llama on disk, and vLLM engines in child processes.
+
+The model is written with transformers (``LlamaForCausalLM(config).save_pretrained``)
+with weights of std 0.2, so that its greedy tokens depend on the KV it attends
+to (vLLM's dummy weights are so small that outputs ignore the context). Prompts
+are token ids; there is no tokenizer and no hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "vllm_child.py")
+PAGE = 32  # vLLM's CPU block size (a multiple of 32) and so the store's page size
+
+
+def make_model(path: str, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
+               kv_heads: int = 2, head_dim: int = 32, vocab: int = 512, intermediate: int = 256) -> str:
+    """Write a random-weight Llama (float32 safetensors + config.json) into ``path``; return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=4096, initializer_range=0.2,
+                         torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompts(rng: random.Random, lengths: list[int], vocab: int = 512, prefix: list[int] | None = None) -> list[list[int]]:
+    """Random prompts of the given lengths (after ``prefix``), token ids in [3, vocab)."""
+    head = list(prefix or [])
+    return [head + [rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a vLLM child: offline, 1 GiB of KV, this checkout importable."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    root = os.path.dirname(HERE)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def spec_file(tmp: str, name: str, spec: dict[str, Any]) -> tuple[str, str]:
+    """Write a child's SPEC; return (spec path, result path)."""
+    path = os.path.join(tmp, f"{name}.spec.json")
+    with open(path, "w") as handle:
+        json.dump(spec, handle)
+    return path, os.path.join(tmp, f"{name}.out.json")
+
+
+def run_child(tmp: str, name: str, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """Run one vLLM engine to completion; return its results and its log (``log``)."""
+    spec_path, out_path = spec_file(tmp, name, spec)
+    proc = subprocess.run([sys.executable, CHILD, spec_path, out_path], env=child_env(), cwd=tmp,
+                          capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        raise AssertionError(f"vLLM child {name} failed (exit {proc.returncode}):\n{log[-6000:]}")
+    with open(out_path) as handle:
+        result = json.load(handle)
+    result["log"] = log
+    return result
+
+
+def start_child(tmp: str, name: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """Start a vLLM engine in its own session (so a test can kill its whole process group)."""
+    spec_path, out_path = spec_file(tmp, name, spec)
+    log = open(os.path.join(tmp, f"{name}.log"), "w")
+    return subprocess.Popen([sys.executable, CHILD, spec_path, out_path], env=child_env(), cwd=tmp,
+                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def full_pages_hit(prompt: list[int]) -> int:
+    """Prompt tokens a full hit serves: every full page, leaving at least one token to compute."""
+    return (len(prompt) - 1) // PAGE * PAGE
