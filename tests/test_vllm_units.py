@@ -1,0 +1,230 @@
+"""The vLLM connector's parts that need no vLLM engine: prefix view, identity, settings, layouts, stats.
+
+These run in the parallel suite (no ``vllm`` marker); the layout tests need torch
+and skip without it, the stats test needs vLLM and skips without it, and the GPU
+layout test runs only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import pagedkv
+from pagedkv.errors import PageCorrupt, PagedKVError
+from pagedkv.integrations.vllm.config import ConnectorConfig, KNOWN_KEYS
+from pagedkv.integrations.vllm.identity import namespace_tokens, request_namespace
+from pagedkv.prefixview import ROOT, PrefixView
+from support import get_seed
+
+GEOM = pagedkv.Geometry(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+
+
+def _fill(store: pagedkv.KVStore, seq: str, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    k = rng.standard_normal((GEOM.layers, len(tokens), GEOM.kv_heads, GEOM.head_dim)).astype(np.float32)
+    store.create(seq)
+    store.append(seq, k, k + 1, tokens=tokens)
+    return k
+
+
+def test_prefixview_agrees_with_lookup(tmp_path: Path) -> None:
+    seed = get_seed("prefixview")
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1000, 23)
+    with pagedkv.open(tmp_path / "kv", GEOM, pool_pages=32, model="m") as store:
+        _fill(store, "a", tokens, rng)
+        view = PrefixView.of_store(store)
+        assert view.model == "m" and len(view) == 5
+        for cut in (0, 3, 4, 9, 23):
+            assert view.leading(view.chain(tokens[:cut])) * 4 == store.lookup(tokens[:cut])
+        other = tokens.copy()
+        other[6] += 1
+        assert view.leading(view.chain(other)) * 4 == store.lookup(other) == 4
+        # Chaining from the middle gives the same hashes as chaining from the start.
+        whole = view.chain(tokens)
+        assert view.chain(tokens, whole[1], 2) == whole[2:]
+        view.discard(whole[2:3])
+        assert view.leading(whole) == 2
+        view.add(whole[2:3])
+        assert view.leading(whole) == 5
+        assert view.chain(tokens[:3]) == [] and ROOT == bytes(16)
+
+
+def test_prefixview_open_beside_a_live_writer(tmp_path: Path) -> None:
+    rng = np.random.default_rng(get_seed("prefixview-open"))
+    tokens = rng.integers(0, 1000, 16)
+    path = tmp_path / "kv"
+    with pagedkv.open(path, GEOM, pool_pages=32, model="m") as store:
+        _fill(store, "a", tokens, rng)
+        store.commit()
+        with pytest.raises(pagedkv.StoreLocked):
+            PrefixView.open(path)  # this process holds the writer: read through its handle
+        code = ("import sys, numpy as np; from pagedkv.prefixview import PrefixView; "
+                f"v = PrefixView.open({str(path)!r}); t = np.array({tokens.tolist()}); "
+                "print(len(v), v.model, v.leading(v.chain(t)))")
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["4", "m", "4"]
+
+
+def _slot_offset(pool_file: Path, page: np.ndarray) -> int:
+    """Where a page's bytes lie in pool.bin (found by content: the test's values are random)."""
+    data = pool_file.read_bytes()
+    offset = data.find(page.tobytes())
+    assert offset > 0
+    return offset
+
+
+def test_a_corrupt_page_is_never_shared_again(tmp_path: Path) -> None:
+    rng = np.random.default_rng(get_seed("corrupt-share"))
+    tokens = rng.integers(0, 1000, 13)
+    path = tmp_path / "kv"
+    with pagedkv.open(path, GEOM, pool_pages=32, model="m") as store:
+        _fill(store, "a", tokens, rng)
+        page1 = store.read_pages("a", 1, 2)[0]
+        store.drop("a")
+    offset = _slot_offset(path / "pool.bin", page1)
+    with open(path / "pool.bin", "r+b") as handle:
+        handle.seek(offset + 5)
+        byte = handle.read(1)
+        handle.seek(offset + 5)
+        handle.write(bytes([byte[0] ^ 0x40]))
+    with pagedkv.open(path) as store:
+        assert store.create("b", tokens=tokens) == 12
+        store.read_pages("b", 0, 1)
+        with pytest.raises(PageCorrupt):
+            store.read_pages("b", 1, 2)
+        store.drop("b")
+        # The corrupt page is known now: a new request reuses only the page before it,
+        # computes the rest, and its pages serve the prefix from then on.
+        assert store.create("c", tokens=tokens) == 4
+        k = rng.standard_normal((GEOM.layers, 9, GEOM.kv_heads, GEOM.head_dim)).astype(np.float32)
+        store.append("c", k, k, tokens=tokens[4:])
+        store.drop("c")
+        assert store.lookup(tokens) == 12
+        assert store.create("d", tokens=tokens) == 12
+        np.testing.assert_array_equal(store.read_pages("d", 1, 2)[0, :, 0], k[:, :4].transpose(0, 1, 2, 3))
+
+
+def test_config_parses_known_keys_and_refuses_others() -> None:
+    config = ConnectorConfig.from_extra({"path": "~/kv.store", "pool_pages": 64, "durability": "nosync",
+                                         "write_behind": True, "spill_limit_bytes": None})
+    assert config.path == os.path.expanduser("~/kv.store")
+    assert config.open_kwargs(GEOM) == {"pool_pages": 64, "durability": "nosync", "write_behind": True}
+    assert ConnectorConfig.from_extra({"path": "x"}).open_kwargs(GEOM)["pool_pages"] == (1 << 30) // GEOM.page_nbytes
+    with pytest.raises(PagedKVError, match="unknown kv_connector_extra_config key.*pool_page"):
+        ConnectorConfig.from_extra({"path": "x", "pool_page": 3})
+    with pytest.raises(PagedKVError, match="needs 'path'"):
+        ConnectorConfig.from_extra({"pool_pages": 3})
+    with pytest.raises(PagedKVError, match="pool_pages.*must be int"):
+        ConnectorConfig.from_extra({"path": "x", "pool_pages": True})
+    with pytest.raises(PagedKVError, match="weights_fingerprint"):
+        ConnectorConfig.from_extra({"path": "x", "weights_fingerprint": "md5"})
+    assert {"path", "pool_pages", "spill_limit_bytes", "durability", "spill_codec", "write_behind"} <= KNOWN_KEYS
+
+
+def test_request_namespaces_separate_salts_adapters_and_images() -> None:
+    plain = SimpleNamespace(cache_salt=None, lora_request=None, mm_features=[])
+    assert request_namespace(plain) is None
+    salted = SimpleNamespace(cache_salt="tenant-1", lora_request=None, mm_features=[])
+    lora = SimpleNamespace(cache_salt=None, lora_request=SimpleNamespace(lora_name="a", lora_path="/x"),
+                           mm_features=[])
+    image = SimpleNamespace(cache_salt=None, lora_request=None,
+                            mm_features=[SimpleNamespace(identifier="img-hash", modality="image",
+                                                         mm_position=SimpleNamespace(offset=3, length=9))])
+    names = {request_namespace(r) for r in (salted, lora, image)}
+    assert len(names) == 3 and None not in names
+    pages = [namespace_tokens(name, 32) for name in names]
+    for page in pages:
+        assert page.dtype == np.uint32 and len(page) == 32 and int(page.min()) >= 1 << 31
+    assert not np.array_equal(pages[0], pages[1])
+    assert np.array_equal(namespace_tokens("tenant", 32), namespace_tokens("tenant", 32))
+
+
+def _layout_cases(torch, device: str):  # type: ignore[no-untyped-def]
+    """(name, caches, K-of(block, token, head) reader) for every layout, on ``device``."""
+    blocks, heads, page, dim = 6, 2, 4, 8
+    cases = []
+    cpu = [torch.randn(blocks, heads, page, 2 * dim, device=device) for _ in range(2)]
+    cases.append(("cpu", cpu, lambda c, b, t, h, kv: c.view(blocks, heads, 2 * page, dim)[b, h, kv * page + t]))
+    std = [torch.randn(blocks, heads, page, 2 * dim, device=device) for _ in range(2)]
+    cases.append(("standard", std, lambda c, b, t, h, kv: c[b, h, t, kv * dim:(kv + 1) * dim]))
+    nhd = [torch.randn(blocks, page, heads, 2 * dim, device=device).permute(0, 2, 1, 3) for _ in range(2)]
+    cases.append(("standard", nhd, lambda c, b, t, h, kv: c[b, h, t, kv * dim:(kv + 1) * dim]))
+    first = [torch.randn(2, blocks, page, heads, dim, device=device) for _ in range(2)]
+    cases.append(("kv_first", first, lambda c, b, t, h, kv: c[kv, b, t, h]))
+    split = [torch.randn(2 * blocks, heads, page // 2, 2 * dim, device=device) for _ in range(2)]
+    cases.append(("cpu", split, lambda c, b, t, h, kv: c.view(2 * blocks, heads, page, dim)
+                  [2 * b + t // 2, h, kv * (page // 2) + t % 2]))
+    return cases
+
+
+def _check_layouts(device: str) -> None:
+    torch = pytest.importorskip("torch")
+    from pagedkv.integrations.vllm.layouts import LayerCaches
+
+    geom = pagedkv.Geometry(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    rng = np.random.default_rng(get_seed("layouts"))
+    for name, caches, read in _layout_cases(torch, device):
+        lc = LayerCaches(caches, geom, 6, name)
+        pages = rng.standard_normal((2, *geom.page_shape)).astype(np.float32)
+        lc.scatter([4, 1], pages)
+        for n, block in enumerate([4, 1]):
+            for layer in range(2):
+                for t in range(4):
+                    for h in range(2):
+                        for kv in range(2):
+                            got = read(caches[layer], block, t, h, kv).cpu().numpy()
+                            np.testing.assert_array_equal(got, pages[n, layer, kv, t, h], err_msg=name)
+        k = np.empty((2, 2, 4, 2, 8), np.float32)
+        v = np.empty_like(k)
+        lc.gather([4, 1], k, v)
+        np.testing.assert_array_equal(k, pages[:, :, 0].transpose(1, 0, 2, 3, 4), err_msg=name)
+        np.testing.assert_array_equal(v, pages[:, :, 1].transpose(1, 0, 2, 3, 4), err_msg=name)
+
+
+def test_layouts_round_trip_on_cpu() -> None:
+    _check_layouts("cpu")
+
+
+def test_layouts_round_trip_on_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check_layouts("cuda")
+
+
+def test_layouts_refuse_a_cache_of_another_shape() -> None:
+    torch = pytest.importorskip("torch")
+    from pagedkv.integrations.vllm.layouts import LayerCaches
+
+    geom = pagedkv.Geometry(layers=1, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    with pytest.raises(PagedKVError):
+        LayerCaches([torch.zeros(6, 3, 4, 16)], geom, 6, "cpu")
+    with pytest.raises(PagedKVError, match="float16"):
+        LayerCaches([torch.zeros(6, 2, 4, 16, dtype=torch.float16)], geom, 6, "cpu")
+
+
+def test_stats_sum_and_reduce() -> None:
+    pytest.importorskip("vllm")
+    from pagedkv.integrations.vllm.meta import PagedKVStats
+
+    a, b = PagedKVStats(), PagedKVStats()
+    assert a.is_empty()
+    a.add("lookup_tokens", 100)
+    a.add("hit_tokens", 64)
+    b.add("load_us", 1500)
+    b.add("pages_loaded", 2)
+    total = a.aggregate(b)
+    reduced = total.reduce()
+    assert reduced["hit_rate"] == 0.64 and reduced["load_ms"] == 1.5 and reduced["pages_loaded"] == 2
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty()
