@@ -78,43 +78,96 @@ class SpillStore:
         self._readers = threading.Condition()  # guards _reading against map growth
         self._reading = 0
         self._writing = threading.Lock()  # one write transaction at a time across threads
-        if os.path.islink(path):
-            raise PagedKVError(f"{path} is a symbolic link; refused")
+        from .files import (DIR_MODE, FILE_MODE, fd_path, file_id, io_error, lookup, open_dir, open_file,
+                            opened_problem, refuse_untrusted, tighten_opened, watch_opens)
+
         if create:
             make_private_dir(path)
-        else:
-            check_data_file(os.path.join(path, "data.mdb"))
-            probe_in_child(path, DB_NAMES, lock=readonly and register_reader)
-        for name in ("data.mdb", "lock.mdb"):
-            if os.path.islink(os.path.join(path, name)):
-                raise PagedKVError(f"{os.path.join(path, name)} is a symbolic link; refused")
+        elif lookup(path) is None:
+            raise StoreCorrupt(f"{path} is missing")
         # Beside a live writer a reader registers in LMDB's lock table, so the writer
         # never reuses the pages its snapshot sees. Without one it writes nothing.
         locking = not readonly or register_reader
+        data_path, lock_path = os.path.join(path, "data.mdb"), os.path.join(path, "lock.mdb")
+        # LMDB opens data.mdb and lock.mdb itself, by name, following links and blocking
+        # on a FIFO. So both are checked first (the directory and data.mdb through
+        # descriptors held until LMDB is open), and afterwards the files LMDB holds
+        # must be the checked ones: a name swapped in between is refused.
+        dir_fd = open_dir(path)
+        data_fd = None
         try:
-            self.env = lmdb.open(
-                path, map_size=map_size or DEFAULT_MAP_SIZE, subdir=True, readonly=readonly,
-                lock=locking, sync=sync, metasync=sync, writemap=False, readahead=False,
-                max_dbs=len(DB_NAMES), max_readers=126, mode=0o600, create=create,
-                max_spare_txns=0,
-            )
-        except lmdb.Error as exc:
-            raise lmdb_error(exc, f"cannot open spill store {path}") from None
-        try:
-            if readonly:
-                self.dbs = {name: self.env.open_db(name, create=False) for name in DB_NAMES}
-                # One snapshot for the handle's life: directory and records always agree.
-                self._snapshot = self.env.begin(buffers=True)
-            else:
-                self.dbs = {name: self.env.open_db(name, create=True) for name in DB_NAMES}
-                self.stale_readers = self.env.reader_check()
-                tighten_tree(path)
-        except lmdb.NotFoundError:
-            self.env.close()
-            raise StoreCorrupt(f"{path}: not a pagedkv spill store (named databases missing)") from None
-        except lmdb.Error as exc:
-            self.env.close()
-            raise lmdb_error(exc, f"cannot open spill store {path}") from None
+            if not create and lookup(data_path, dir_fd, "data.mdb") is None:
+                raise StoreCorrupt(f"{data_path} is missing")
+            data_fd = open_file(data_path, writable=not readonly, create=create, dir_fd=dir_fd,
+                                name="data.mdb")
+            checked = {"data.mdb": os.fstat(data_fd)}
+            # lock.mdb is looked at, never opened here: closing any descriptor of it
+            # drops the POSIX locks LMDB holds on it in this process.
+            lock_seen = lookup(lock_path, dir_fd, "lock.mdb")
+            if lock_seen is not None:
+                refuse_untrusted(lock_path, lock_seen, writable=locking)
+            if not create:
+                pinned = fd_path(data_fd) or data_path  # reaches the checked file, not the name
+                try:
+                    check_data_file(pinned)
+                except StoreCorrupt as exc:
+                    raise StoreCorrupt(str(exc).replace(pinned, data_path)) from None
+                probe_in_child(path, DB_NAMES, lock=readonly and register_reader)
+            tries = 3  # extra open files may be another thread's: look again before refusing
+            for attempt in range(tries):
+                try:
+                    env, opened = watch_opens(lambda: lmdb.open(
+                        path, map_size=map_size or DEFAULT_MAP_SIZE, subdir=True, readonly=readonly,
+                        lock=locking, sync=sync, metasync=sync, writemap=False, readahead=False,
+                        max_dbs=len(DB_NAMES), max_readers=126, mode=0o600, create=create,
+                        max_spare_txns=0,
+                    ))
+                except lmdb.Error as exc:
+                    raise lmdb_error(exc, f"cannot open spill store {path}") from None
+                try:
+                    if locking:
+                        lock_now = lookup(lock_path, dir_fd, "lock.mdb")
+                        if lock_now is None or (lock_seen is not None and file_id(lock_now) != file_id(lock_seen)):
+                            raise StoreCorrupt(f"{lock_path} was replaced while it was being opened; refused")
+                        refuse_untrusted(lock_path, lock_now, writable=True)
+                        checked["lock.mdb"] = lock_now
+                    problem, certain = opened_problem(path, dir_fd, checked, opened)
+                except BaseException:
+                    env.close()
+                    raise
+                if problem is None:
+                    break
+                env.close()
+                if certain or attempt == tries - 1:
+                    raise StoreCorrupt(problem)
+            self.env = env
+            try:
+                if readonly:
+                    self.dbs = {name: self.env.open_db(name, create=False) for name in DB_NAMES}
+                    # One snapshot for the handle's life: directory and records always agree.
+                    self._snapshot = self.env.begin(buffers=True)
+                else:
+                    self.dbs = {name: self.env.open_db(name, create=True) for name in DB_NAMES}
+                    self.stale_readers = self.env.reader_check()
+                    try:
+                        os.fchmod(dir_fd, DIR_MODE)
+                        os.fchmod(data_fd, FILE_MODE)
+                    except OSError as exc:
+                        raise io_error(exc, f"cannot set the modes of {path}") from None
+                    tighten_opened(dir_fd, "lock.mdb", file_id(checked["lock.mdb"]), opened)
+            except lmdb.NotFoundError:
+                self.env.close()
+                raise StoreCorrupt(f"{path}: not a pagedkv spill store (named databases missing)") from None
+            except lmdb.Error as exc:
+                self.env.close()
+                raise lmdb_error(exc, f"cannot open spill store {path}") from None
+            except BaseException:
+                self.env.close()
+                raise
+        finally:
+            if data_fd is not None:
+                os.close(data_fd)
+            os.close(dir_fd)
         self.meta, self.seqs, self.dir, self.pages, self.tokens = (self.dbs[name] for name in DB_NAMES)
 
     def write(self, body: Callable[[lmdb.Transaction], T], what: str = "commit") -> T:
