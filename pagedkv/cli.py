@@ -116,17 +116,21 @@ def cli() -> None:
               show_default=True, help="Commit mode of the store.")
 @click.option("--seed-workload", is_flag=True,
               help="Instead: 20,000 tokens of 60 bytes into a 0.5 MB pool, then read tokens 0-19 back.")
+@click.option("--force", is_flag=True,
+              help="Replace a pagedkv store at PATH even if no demo made it (its data is lost).")
 @json_option
 def demo(path: str, preset: str | None, pool_pages: int | None, sequences: int | None,
-         tokens: int | None, seed: int, durability: str, seed_workload: bool, as_json: bool) -> None:
+         tokens: int | None, seed: int, durability: str, seed_workload: bool, force: bool,
+         as_json: bool) -> None:
     """Run a serving workload under memory pressure into a fresh store at PATH.
 
     Requests share a system prompt, prefill then decode through store.step()
     with K/V written through the slot mapping, finish and arrive, and commit
     periodically, while a pool far smaller than the working set spills pages
     to LMDB and restores them. Everything read back is checked bit-exact.
-    PATH (default ./demo.kv) may be missing, empty, or an earlier pagedkv
-    store (replaced); any other non-empty directory is refused.
+    PATH (default ./demo.kv) may be missing, empty, or a store an earlier
+    demo made (replaced). Any other pagedkv store is refused unless --force;
+    any other non-empty directory is refused, --force or not.
 
     \b
     Example:
@@ -139,14 +143,17 @@ def demo(path: str, preset: str | None, pool_pages: int | None, sequences: int |
                                           ("--sequences", sequences), ("--tokens", tokens)) if value is not None]
         if given:
             raise click.UsageError(f"{', '.join(given)} cannot be combined with --seed-workload")
-        action = demo_mod.prepare_path(path)  # before the bar: a refusal stays one line
+        action = demo_mod.prepare_path(path, force)  # before the bar: a refusal stays one line
+        # Made here, marked as the demo's, so that a later demo may replace it.
+        demo_mod.create_demo_store(path, seedload.SEED_GEOMETRY,
+                                   seedload.SEED_POOL_BYTES // seedload.SEED_GEOMETRY.page_nbytes, durability)
         with _progress(seedload.SEED_TOKENS, "seeding", as_json) as bar:
             result = seedload.run_seed(path, seed, durability, bar.update, action=action)
     else:
         geom = PRESETS[preset or DEFAULT_PRESET]
         sequences, tokens = sequences or DEFAULT_SEQUENCES, tokens or DEFAULT_TOKENS
         demo_mod.serving_limits(geom, pool_pages or DEFAULT_POOL_PAGES, tokens)  # before touching PATH
-        action = demo_mod.prepare_path(path)
+        action = demo_mod.prepare_path(path, force)
         with _progress(sequences, "serving", as_json) as bar:
             result = demo_mod.run_serving(path, geom, pool_pages or DEFAULT_POOL_PAGES, sequences,
                                           tokens, seed, durability, bar.update, action=action)
