@@ -17,9 +17,10 @@ import click
 from click.utils import PacifyFlushWrapper
 
 from . import __version__, bench as bench_mod, clitext, demo as demo_mod, inspector, seedload
-from .errors import PagedKVError, StoreLocked
+from .errors import PagedKVError, StoreCorrupt, StoreLocked
 from .geometry import PRESETS
-from .snapshot import open_snapshot
+from .lockfile import lock_holder
+from .snapshot import LOCK_FILE, SnapshotUnavailable, open_snapshot
 
 EXIT_INVALID, EXIT_LOCKED = 2, 3
 DEFAULT_PRESET, DEFAULT_POOL_PAGES, DEFAULT_SEQUENCES, DEFAULT_TOKENS = "small", 64, 64, 128
@@ -233,6 +234,56 @@ def _parse_uid(text: str) -> int:
     return uid
 
 
+_LIVE_LOOKS = 4  # fresh snapshots that damage seen beside a live writer gets to show again
+
+
+def _verify_looks(path: str, live: bool) -> dict[str, Any]:
+    """``inspector.verify`` of a snapshot; beside a live writer, damage only if a fresh one agrees.
+
+    A copied snapshot is consistent (``snapshot.py``), but a writer that starts
+    during a plain read-only open, or rewrites pool slots between reads, can
+    still make one look see what the store does not hold. Real damage stays on
+    every look, so beside a live writer a problem is reported only when two
+    looks in a row show it; a clean fresh look wins, and looks that never agree
+    are no consistent snapshot at all.
+    """
+    previous: set[str] | None = None  # the problems of the previous look, if it found any
+    open_failed = False
+    for _ in range(_LIVE_LOOKS):
+        try:
+            snap = open_snapshot(path, live=live)
+        except SnapshotUnavailable:
+            raise
+        except StoreLocked as exc:
+            raise StoreLocked(f"{exc}; use --live to verify a snapshot beside it") from None
+        except StoreCorrupt:
+            if open_failed or not _writer_live(path):
+                raise
+            open_failed, previous = True, None
+            continue
+        open_failed = False
+        with snap:
+            result = inspector.verify(snap)
+        if result["ok"] or not (result["live"] or _writer_live(path)):
+            if previous:
+                result["notes"].append(f"an earlier snapshot showed {len(previous)} problems this fresh one "
+                                       "does not: the live writer changed those pages since")
+            return result
+        if previous is not None and previous & set(result["damage"]):
+            result["unverified"] += [p for p in result["damage"] if p not in previous]
+            result["damage"] = [p for p in result["damage"] if p in previous]
+            return result
+        previous = set(result["damage"])
+    raise SnapshotUnavailable(
+        f"{path}: could not get a consistent snapshot: what looked like damage beside the live "
+        f"writer did not show again on {_LIVE_LOOKS} fresh snapshots")
+
+
+def _writer_live(path: str) -> bool:
+    """Whether a writer holds the store's lock now."""
+    return lock_holder(os.path.join(path, LOCK_FILE)) is not None
+
+
 @cli.command()
 @_path_argument
 @click.option("--live", is_flag=True,
@@ -242,9 +293,11 @@ def verify(path: str, live: bool, as_json: bool) -> None:
     """Check every page checksum and invariant of the store at PATH, read-only.
 
     Exit 0 when clean, 2 when damaged (each problem is printed), 3 when a
-    live writer holds the lock (unless --live). Spill records left by an
-    interrupted writer are reported as notes, not damage: the next writer
-    open deletes them.
+    live writer holds the lock (unless --live) or, with --live, commits too
+    busily for a consistent snapshot ("could not get a consistent snapshot";
+    try again). Beside a live writer, damage is reported only when a fresh
+    snapshot shows it again. Spill records left by an interrupted writer are
+    reported as notes, not damage: the next writer open deletes them.
 
     \b
     Example:
@@ -252,12 +305,7 @@ def verify(path: str, live: bool, as_json: bool) -> None:
         pagedkv verify demo.kv --json
         pagedkv verify demo.kv --live
     """
-    try:
-        snap = open_snapshot(path, live=live)
-    except StoreLocked as exc:
-        raise StoreLocked(f"{exc}; use --live to verify a snapshot beside it") from None
-    with snap:
-        result = inspector.verify(snap)
+    result = _verify_looks(path, live)
     _emit(as_json, result, clitext.verify_text(result))
     if not result["ok"]:
         sys.exit(EXIT_INVALID)

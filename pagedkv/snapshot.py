@@ -3,8 +3,17 @@
 ``pagedkv.open(path, readonly=True)`` opens LMDB with ``lock=False``: it never
 writes, but it is only safe while nobody changes ``data.mdb``. When a writer
 holds the store's lock we therefore copy ``data.mdb`` into a private temporary
-directory and open the copy; LMDB is copy-on-write, so a copy taken while no
-commit lands is a consistent snapshot, and we retry when one did land.
+directory and open the copy.
+
+A copy is trusted only when no commit landed while it was taken: LMDB is
+copy-on-write, but an unregistered reader does not hold back page reuse, so a
+commit may overwrite pages of the snapshot being copied even when the file's
+size, inode and mtime (coarse, a clock tick) look unchanged. Every commit ends
+by rewriting one of the two meta pages with a higher txn id, so the copy's meta
+pages are compared with the source's read after the copy ends: equal, and the
+snapshot they name was never touched while it was read. Otherwise the copy is
+retried (see ``_COPY_TRIES``), and when every copy was torn the open raises
+``SnapshotUnavailable`` rather than trusting one.
 """
 
 from __future__ import annotations
@@ -26,10 +35,19 @@ from .opening import assemble
 from .store import KVStore, StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE, LMDB_LOCK = "pool.bin", "spill", "LOCK", "data.mdb", "lock.mdb"
-_COPY_TRIES = 5
+# Torn copies are retried: up to 32 times for a small data.mdb, at least 4 times for any,
+# and no more once 256 MiB have been copied in all.
+_COPY_TRIES, _MIN_COPY_TRIES, _COPY_BUDGET = 32, 4, 256 << 20
 # lock.mdb layout of LMDB 0.9 on 64-bit Linux (MDB_txninfo): magic at 0, the reader
 # high-water mark at 56, then 64-byte reader slots from offset 128 (pid at +8).
 _LOCK_MAGIC, _NUMREADERS_AT, _READERS_AT, _READER_NBYTES = 0xBEEFC0DE, 56, 128, 64
+
+
+class SnapshotUnavailable(StoreLocked):
+    """A live writer committed during every copy of data.mdb: no consistent snapshot was taken.
+
+    A ``StoreLocked``: the store is busy, not damaged; trying again later may succeed.
+    """
 
 
 @dataclass
@@ -151,41 +169,61 @@ def _make_store(path: str, pool: PagePool, spill: SpillStore) -> KVStore:
     return assemble(path, pool, spill, StoreOptions(readonly=True), None)
 
 
-def _file_state(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+def _meta_pages(fd: int) -> bytes:
+    """The two meta pages at the head of an LMDB data file (its page size read from the first)."""
+    head = os.pread(fd, 4096, 0)
+    psize = struct.unpack_from("<I", head, 40)[0] if len(head) >= 44 else 0
+    if psize not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        return head  # not a data file LMDB wrote; loading the copy says what is wrong
+    return os.pread(fd, 2 * psize, 0)
+
+
+def _copy_once(source: str, target: str) -> bool:
+    """Copy ``source`` to ``target``; whether no commit landed from the copy's start to its end.
+
+    The copy reads the meta pages first, so they name the newest snapshot whose
+    pages were all written by then. If the source's meta pages read after the
+    copy are the same bytes, no commit ended meanwhile, so no page of that
+    snapshot was freed and reused while the rest of the file was read: the
+    copy holds it whole. (A commit still in flight writes only pages that
+    snapshot does not use: LMDB reuses a page only two commits after it was freed.)
+    """
+    shutil.copyfile(source, target)  # front to back: the meta pages are read first
+    with open(source, "rb") as src:
+        after = _meta_pages(src.fileno())
+    with open(target, "rb") as copied:
+        return _meta_pages(copied.fileno()) == after
 
 
 def _open_copy(path: str, pool: PagePool, tempdir: str, live: bool) -> tuple[KVStore, list[str]]:
-    """Copy data.mdb privately until a copy is both unchanged during the copy and loadable."""
+    """Copy data.mdb privately until a copy is consistent, then open it.
+
+    A consistent copy that fails to load is real damage and raises; when every
+    copy was torn by a commit, ``SnapshotUnavailable``.
+    """
     source = os.path.join(path, SPILL_DIR, DATA_FILE)
     target_dir = os.path.join(tempdir, SPILL_DIR)
     os.mkdir(target_dir, 0o700)
     target = os.path.join(target_dir, DATA_FILE)
-    last_error: Exception | None = None
-    for attempt in range(_COPY_TRIES):
+    tries = copied = 0
+    while tries < _COPY_TRIES and (tries < _MIN_COPY_TRIES or copied < _COPY_BUDGET):
+        tries += 1
         try:
-            before = _file_state(source)
-            shutil.copyfile(source, target)
-            stable = _file_state(source) == before
+            consistent = _copy_once(source, target)
+            copied += os.path.getsize(target)
         except OSError as exc:
             raise PagedKVError(f"{source}: cannot copy for a live snapshot ({exc.strerror})") from None
-        if not stable and attempt < _COPY_TRIES - 1:
-            continue  # a commit landed mid-copy; the copy may be torn
-        try:
-            store = _make_store(path, pool, _open_spill(target_dir))
-        except PagedKVError as exc:
-            if stable:
-                raise  # an untorn copy that fails to load is real damage
-            last_error = exc
-            continue
+        if not consistent:
+            continue  # a commit landed mid-copy: pages of the copied snapshot may be overwritten
+        store = _make_store(path, pool, _open_spill(target_dir))
         notes = ["the writer is live: metadata is a private snapshot of data.mdb; pool pages "
                  "the writer rewrote after it may fail their checksum (reported unverified)"] if live else []
-        if not stable:
-            notes.append("data.mdb kept changing while it was copied; the snapshot loaded cleanly")
         return store, notes
-    raise PagedKVError(f"{path}: no consistent snapshot of a busy writer's data.mdb after "
-                       f"{_COPY_TRIES} tries ({last_error})")
+    holder = lock_holder(os.path.join(path, LOCK_FILE))
+    who = f" (pid {holder})" if holder and holder > 0 else ""
+    raise SnapshotUnavailable(
+        f"{path}: could not get a consistent snapshot of data.mdb: the writer{who} committed "
+        f"during each of {tries} copies; try again when it is less busy")
 
 
 def lmdb_readers(path: str) -> dict[str, Any]:
