@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import struct
 import threading
 from typing import Any, Callable, Iterator, TypeVar
@@ -19,14 +20,14 @@ import lmdb
 
 from . import faults
 from .errors import PagedKVError, StoreCorrupt, StoreFull, StoreIOError
-from .files import make_private_dir, tighten_tree
+from .files import io_error, make_private_dir, tighten_tree
 from .lmdbcheck import check_data_file, probe_in_child
 
 T = TypeVar("T")
 DB_NAMES = (b"meta", b"seqs", b"dir", b"pages", b"tokens")
 _UID = struct.Struct(">Q")
 DEFAULT_MAP_SIZE = 1 << 30
-_MAX_GROWTHS = 12
+_MAP_CEILING = 1 << 44  # the map doubles until a transaction fits, up to 16 TiB of address space
 
 
 def uid_key(uid: int) -> bytes:
@@ -41,17 +42,60 @@ def key_uid(key: bytes) -> int:
     return _UID.unpack(key)[0]
 
 
-def lmdb_error(exc: lmdb.Error, what: str) -> PagedKVError:
-    """Translate an LMDB error into pagedkv's tree."""
+_FULL = {errno.ENOSPC: "ENOSPC, disk full", errno.EFBIG: "EFBIG, file size limit",
+         errno.EDQUOT: "EDQUOT, disk quota exceeded"}
+_FULL_SLACK = 16 << 20  # free bytes below which a write that came up short met a full disk
+
+
+def lmdb_error(exc: lmdb.Error, what: str, path: str | None = None) -> PagedKVError:
+    """Translate an LMDB error into pagedkv's tree.
+
+    Params:
+        path: the environment's directory, when the error ended a write. LMDB
+            turns a short write into EIO, dropping its cause: at RLIMIT_FSIZE
+            or a full disk the kernel writes what fits and only the next write
+            would fail with EFBIG or ENOSPC. The cause is recovered from
+            data.mdb's size against the limit and the filesystem's free space.
+    """
     text = str(exc)
-    if isinstance(exc, lmdb.MapFullError) or any(
-        os.strerror(code) in text for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-    ):
+    code = getattr(exc, "code", None)
+    if code not in _FULL:
+        code = next((known for known in _FULL if os.strerror(known) in text), code)
+    if isinstance(exc, lmdb.MapFullError):
         return StoreFull(f"{what}: {text}")
+    if code in _FULL:
+        return StoreFull(f"{what}: {_FULL[code]}: {text}")
+    if path is not None and (code == errno.EIO or os.strerror(errno.EIO) in text):
+        cause = _short_write_cause(path)
+        if cause is not None:
+            return StoreFull(f"{what}: {cause} (LMDB reported its short write as {text!r})")
     if isinstance(exc, (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
                         lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadTxnError)):
         return StoreCorrupt(f"{what}: {text}")
     return StoreIOError(f"{what}: {text}")
+
+
+def _short_write_cause(path: str) -> str | None:
+    """Why a write to the LMDB environment at ``path`` came up short, if it was exhaustion."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        with open(data, "rb") as fh:
+            head = fh.read(44)
+            size = os.fstat(fh.fileno()).st_size
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    psize = struct.unpack_from("<I", head, 40)[0] if len(head) == 44 else 0
+    psize = psize if 512 <= psize <= 65536 else 65536
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    # The kernel cuts a write at the limit, so a file within a page of it cannot take the next.
+    if limit != resource.RLIM_INFINITY and size + psize > limit:
+        return f"EFBIG, file size limit: data.mdb is {size} bytes and RLIMIT_FSIZE is {limit}"
+    # Root may write into the blocks reserved for it; anyone else only into those available.
+    free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
+    if free < _FULL_SLACK:
+        return f"ENOSPC, disk full: {free} bytes free on the filesystem of {path}"
+    return None
 
 
 class _Borrowed:
@@ -174,9 +218,10 @@ class SpillStore:
         """Run ``body`` in one write transaction and commit it; grow the map when full.
 
         ``body`` may run more than once (after a map growth), so it must only
-        issue puts and deletes computed beforehand.
+        issue puts and deletes computed beforehand. The map doubles as often as
+        the transaction needs: one value or one batch may be any multiple of it.
         """
-        for _ in range(_MAX_GROWTHS):
+        while True:
             try:
                 with self._writing, self.env.begin(write=True) as txn:
                     result = body(txn)
@@ -185,24 +230,28 @@ class SpillStore:
                 return result
             except lmdb.MapFullError:
                 with self._writing:
-                    self._grow()
+                    self._grow(what)
             except lmdb.Error as exc:
-                raise lmdb_error(exc, what) from None
+                raise lmdb_error(exc, what, self.path) from None
             except OSError as exc:  # raised by an injected fault inside the transaction
-                raise StoreIOError(f"{what}: {exc}") from None
-        raise StoreFull(f"{what}: the spill map could not grow enough")
+                raise io_error(exc, what) from None
 
-    def _grow(self) -> None:
-        size = self.env.info()["map_size"] * 2
+    def _grow(self, what: str) -> None:
+        """Double the map (the caller holds ``_writing``); ``StoreFull`` once it cannot grow."""
+        size = self.env.info()["map_size"]
+        if size >= _MAP_CEILING:
+            raise StoreFull(f"{what}: the spill map is at its ceiling of {size} bytes and still too small")
         try:
             faults.io("set_mapsize")
             with self._readers:  # no other thread may hold a read txn over the old mapping
                 self._readers.wait_for(lambda: not self._reading)
-                self.env.set_mapsize(size)
+                self.env.set_mapsize(min(2 * size, _MAP_CEILING))
         except lmdb.Error as exc:
-            raise lmdb_error(exc, "cannot grow the spill map") from None
+            raise lmdb_error(exc, "cannot grow the spill map", self.path) from None
         except OSError as exc:
-            raise StoreIOError(f"cannot grow the spill map: {exc}") from None
+            raise io_error(exc, "cannot grow the spill map") from None
+        if self.env.info()["map_size"] <= size:  # a map that did not grow would loop forever
+            raise StoreFull(f"{what}: the spill map did not grow past {size} bytes")
 
     def put(self, txn: lmdb.Transaction, db: Any, key: bytes, value: bytes | bytearray) -> None:
         """Put one value (an I/O seam for fault tests)."""
