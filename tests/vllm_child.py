@@ -2,9 +2,10 @@
 
 SPEC (JSON): model, store (or null: no connector), extra (more connector keys),
 multiprocessing (bool), max_num_batched_tokens, batches (lists of requests:
-prompt token ids, max_tokens, optional cache_salt), perturb (test only: add noise
+prompt token ids, max_tokens, optional cache_salt; or chat_from [batch, request] plus
+extend: that earlier request's prompt and answer, then more tokens), perturb (test only: add noise
 to every page loaded from the store, so a test can see the check fail),
-ready_file / hold (write ready_file after the first batch, then run the second
+hold (print "CHILD READY" once the first batch is committed, then run the second
 batch forever: for SIGKILL tests). OUT gets, per batch, each request's output
 token ids and num_cached_tokens, plus the connector's log lines.
 """
@@ -59,17 +60,23 @@ def main() -> None:
               disable_log_stats=False, **kwargs)
     results = []
     for index, batch in enumerate(spec["batches"]):
+        for request in batch:
+            if "chat_from" in request:  # the next turn of a chat: earlier prompt + its answer + more
+                earlier, position = request["chat_from"]
+                done = results[earlier][position]
+                request["prompt"] = done["prompt"] + done["tokens"] + request["extend"]
         prompts = [TokensPrompt(prompt_token_ids=r["prompt"], **({"cache_salt": r["cache_salt"]}
                                                                   if r.get("cache_salt") else {}))
                    for r in batch]
         params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
                   for r in batch]
         if spec.get("hold") and index == 1:
-            open(spec["ready_file"], "w").close()
+            print("CHILD READY", flush=True)
             while True:  # until the test kills this process
                 llm.generate(prompts, params, use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs])
+        results.append([{"prompt": r["prompt"], "tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                        for r, o in zip(batch, outs)])
         if spec.get("hold") and index == 0:
             _flush_store()
     llm.llm_engine.do_log_stats()

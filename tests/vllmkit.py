@@ -75,11 +75,25 @@ def run_child(tmp: str, name: str, spec: dict[str, Any], timeout: float = 300) -
 
 
 def start_child(tmp: str, name: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
-    """Start a vLLM engine in its own session (so a test can kill its whole process group)."""
+    """Start a vLLM engine in its own session (a test can kill its whole process group).
+
+    Its output is a pipe the test reads (``wait_for_line``), merged with its errors.
+    """
     spec_path, out_path = spec_file(tmp, name, spec)
-    log = open(os.path.join(tmp, f"{name}.log"), "w")
     return subprocess.Popen([sys.executable, CHILD, spec_path, out_path], env=child_env(), cwd=tmp,
-                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_line(proc: subprocess.Popen[str], marker: str) -> list[str]:
+    """Read the child's output until a line holding ``marker``; AssertionError if it ends first."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"child ended (exit {proc.wait()}) before {marker!r}:\n{''.join(seen)[-6000:]}")
 
 
 def full_pages_hit(prompt: list[int]) -> int:

@@ -77,7 +77,7 @@ def measure_ttft(prompt_len: int = 1024, pairs: int = 5, page_size: int = 16, th
         where = path or os.path.join(tmp, "store")
         store = pagedkv.open(where, geom, pool_pages, model=fingerprint, durability="nosync")
         cache = PagedKVCache(store, "seed", model=model, prompt=prompt)
-        expected = model.generate(prompt, cache=cache, max_new_tokens=1, do_sample=False)[0, -1].item()
+        expected = model.generate(prompt, past_key_values=cache, max_new_tokens=1, do_sample=False)[0, -1].item()
         cache.close()
         store.close()  # a restart: everything below comes from disk
         store = pagedkv.open(where, model=fingerprint, durability="nosync")
@@ -91,7 +91,7 @@ def measure_ttft(prompt_len: int = 1024, pairs: int = 5, page_size: int = 16, th
             seq = f"run-{run}"
             began = time.perf_counter()
             cache = PagedKVCache(store, seq, model=model, prompt=prompt)
-            out = model.generate(prompt, cache=cache, max_new_tokens=1, do_sample=False)
+            out = model.generate(prompt, past_key_values=cache, max_new_tokens=1, do_sample=False)
             elapsed = time.perf_counter() - began
             reused.append(cache.reused)
             cache.close()

