@@ -48,14 +48,22 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Hashes of pages the worker found missing (loads) or could not save."""
+    """Hashes of pages the worker found missing (loads) or could not save, and failed loads.
+
+    ``failed_loads`` maps a request to the first page it could not load: vLLM
+    recomputes from there, and the scheduler saves those pages again.
+    """
 
     forget: list[bytes] = field(default_factory=list)
+    failed_loads: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Both reports' hashes (one report per worker)."""
+        """Both reports together (one report per worker)."""
         assert isinstance(other, WorkerReport)
-        return WorkerReport(self.forget + other.forget)
+        failed = dict(self.failed_loads)
+        for req_id, page in other.failed_loads.items():
+            failed[req_id] = min(page, failed.get(req_id, page))
+        return WorkerReport(self.forget + other.forget, failed)
 
 
 COUNTERS = (

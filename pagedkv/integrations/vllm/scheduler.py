@@ -189,10 +189,15 @@ class SchedulerSide:
         return True
 
     def worker_output(self, connector_output: Any) -> None:
-        """Drop from the view what the worker reported missing or unsaved."""
+        """Drop from the view what the worker reported missing or unsaved; re-plan failed loads' saves."""
         report = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(report, WorkerReport) and report.forget and self.view is not None:
-            self.view.discard(report.forget)
+        if not isinstance(report, WorkerReport) or self.view is None:
+            return
+        self.view.discard(report.forget)
+        for req_id, page in report.failed_loads.items():
+            state = self._requests.get(req_id)
+            if state is not None:  # vLLM recomputes those pages: save them once they are
+                state.saved = min(state.saved, page)
 
     def take_stats(self) -> PagedKVStats | None:
         """The scheduler side's counters since the last call, or None if nothing was counted."""

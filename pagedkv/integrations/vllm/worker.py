@@ -73,6 +73,7 @@ class WorkerSide:
         self._ids = itertools.count()
         self._load_errors: set[int] = set()
         self._forget: list[bytes] = []
+        self._failed_loads: dict[str, int] = {}
         self._sending: set[str] = set()  # finished requests whose last save is staged
         self._cond = threading.Condition()
         self._queue: list[list[_Staged]] = []
@@ -140,6 +141,7 @@ class WorkerSide:
                 self._load_errors.update(job.block_ids[loaded:])
                 with self._stats_lock:
                     self._forget.extend(job.digests[loaded:loaded + 1])
+                    self._failed_loads[job.req_id] = job.first + loaded
                 self._count("load_errors", job.last - job.first - loaded)
             self._count("pages_loaded", loaded)
         self._count("load_us", (time.perf_counter() - started) * 1e6)
@@ -328,9 +330,10 @@ class WorkerSide:
     def report(self) -> WorkerReport | None:
         """Hashes the scheduler's view must forget, since the last call."""
         with self._stats_lock:
-            if not self._forget:
+            if not self._forget and not self._failed_loads:
                 return None
-            report, self._forget = WorkerReport(self._forget), []
+            report = WorkerReport(self._forget, self._failed_loads)
+            self._forget, self._failed_loads = [], {}
         return report
 
     def take_stats(self) -> PagedKVStats | None:
