@@ -3,8 +3,9 @@
 For each spill codec a base store is built whose content is a function of (seed, sequence,
 position) (``support.kv``): sequences with token ids sharing prefix pages, a fork, the cached
 pages of a dropped sequence, most pages spilled, several commits. Each copy of it is damaged
-one way (a *kind*: bit flips, byte runs, truncation, extension, swapped data.mdb pages, LMDB
-values exchanged, moved or deleted, pool.bin header damage, flips inside metadata records),
+one way (a *kind*: bit flips, byte runs, truncation, extension, swapped data.mdb pages, flips
+aimed at LMDB's structure, LMDB values exchanged, moved, deleted or rolled back to an earlier
+commit's, pool.bin header damage, flips inside metadata records),
 then checked in forked children, read-only and as a writer: open, read every sequence (and
 its pages), look every prompt up, ``check()``, then (writer) append, create from the cached
 prompts, commit, close, reopen and read again. Each copy gets the worst outcome of its runs:
@@ -164,6 +165,7 @@ class Base:
     values: dict[str, dict[bytes, bytes]]  # every LMDB record, per database (to swap and flip)
     sizes: dict[str, int]  # bytes of pool.bin and data.mdb
     mdb: bytes = b""  # data.mdb as built (to aim flips at the pages LMDB's structure lives in)
+    history: list[dict[str, dict[bytes, bytes]]] = field(default_factory=list)  # records after each commit
     reference: dict[str, Observation] = field(default_factory=dict)  # per mode, from an undamaged copy
 
     @property
@@ -252,10 +254,15 @@ def build_base(path: str, codec: str, seed: int) -> Base:
     store = pagedkv.open(path, GEOM, POOL_PAGES, spill_codec=codec, model=MODEL_NAME, evict_batch=4)
     b = _Builder(store, model, rng)
     states: list[dict[str, int]] = []
+    history: list[dict[str, dict[bytes, bytes]]] = []
 
     def commit() -> None:  # and remember what it committed, for telling an older commit apart
         store.commit()
         states.append(dict(model.lens))
+        # LMDB opens an environment once per process: read this commit's records from a copy.
+        snapshot = faultkit.copy_store(path, f"{path}.commit{len(states)}")
+        history.append(read_values(str(snapshot)))
+        shutil.rmtree(snapshot)
 
     system = b.fresh(3 * GEOM.page_size)  # a system prompt of three full pages, shared below
     b.create("a", system + b.fresh(13))
@@ -284,7 +291,7 @@ def build_base(path: str, codec: str, seed: int) -> Base:
     prompt_segs = {name: b.source(ids) for name, ids in prompts.items()}
     mdb = Path(path, DATA_MDB).read_bytes()
     return Base(codec, path, seed, model, states, dict(b.ids), prompts, prompt_segs, read_values(path),
-                {POOL: os.path.getsize(os.path.join(path, POOL)), DATA_MDB: len(mdb)}, mdb)
+                {POOL: os.path.getsize(os.path.join(path, POOL)), DATA_MDB: len(mdb)}, mdb, history[:-1])
 
 
 def read_values(path: str) -> dict[str, dict[bytes, bytes]]:
@@ -500,6 +507,22 @@ def _lmdb_delete(rng: random.Random, base: Base) -> Mutation:
     return Mutation("", f"{db}: record {_key_name(db, key)} deleted", [("lmdb", [("delete", db, key, None)])])
 
 
+def _lmdb_stale(rng: random.Random, base: Base) -> Mutation:
+    """A record as an earlier commit had it, under its own key: its seal is valid, only its age is wrong
+    (what a tree pointer to an old version of a page would show). A record deleted since comes back."""
+    older: dict[str, list[tuple[int, bytes, bytes]]] = {}
+    for number, snapshot in enumerate(base.history, 1):
+        for db in DBS:
+            for key, value in snapshot[db].items():
+                if base.values[db].get(key) != value:
+                    older.setdefault(db, []).append((number, key, value))
+    db = rng.choice(sorted(older))
+    number, key, value = rng.choice(older[db])
+    how = "deleted since, back" if key not in base.values[db] else "restored"
+    return Mutation("", f"{db}/{_key_name(db, key)}: the value of commit {number} {how}",
+                    [("lmdb", [("put", db, key, value)])])
+
+
 def _record_flip(rng: random.Random, base: Base) -> Mutation:
     db = rng.choice(("seqs", "seqs", "dir", "dir", "meta", "tokens", "pages"))
     if not base.values[db]:
@@ -529,6 +552,7 @@ PLANNERS: dict[str, Callable[[random.Random, Base], Mutation]] = {
     "lmdb-move": _lmdb_move,
     "lmdb-delete": _lmdb_delete,
     "record-flip": _record_flip,
+    "lmdb-stale": _lmdb_stale,
 }
 KINDS = tuple(PLANNERS)
 
@@ -723,7 +747,7 @@ class Examiner:
         observed: dict[str, int | None] = {}
         for seq in listed:
             if seq not in expect:
-                self.note("WRONG", f"p{phase}: sequence {seq!r} was never committed")
+                self.note("WRONG", f"p{phase}: sequence {seq!r} is not in the last commit")
         for seq in expect:
             if seq not in listed:
                 observed[seq] = None
