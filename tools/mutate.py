@@ -1137,6 +1137,7 @@ class Summary:
     unreported_sealed: int = 0
     kept: list[str] = field(default_factory=list)
     copies: int = 0
+    modes: dict[tuple[str, str], int] = field(default_factory=dict)  # (ro | rw, outcome) -> runs
 
     def count(self, outcome: str, codec: str | None = None) -> int:
         """Copies with ``outcome``, of one codec or of all."""
@@ -1165,6 +1166,8 @@ class Summary:
         total = {n: self.count(n) for n in OUTCOMES}
         lines.append(f"{'all':<20}" + "".join(f"{total[n]:>8}" for n in OUTCOMES) + f"{sum(total.values()):>8}"
                      f"   {sum(self.seconds.values()):.1f} s")
+        for mode, name in (("ro", "read-only runs"), ("rw", "writer runs")):
+            lines.append(f"{name:<20}" + "".join(f"{self.modes.get((mode, n), 0):>8}" for n in OUTCOMES))
         return "\n".join(lines)
 
     def examples(self, outcomes: Iterable[str] = ("LOST",) + BAR) -> str:
@@ -1262,6 +1265,7 @@ def finish(summary: Summary, base: Base, case: Case, keep: str | None) -> None:
     parts = []
     for mode in ("ro", "rw"):
         got, first, result = case.results[mode]
+        summary.modes[(mode, got)] = summary.modes.get((mode, got), 0) + 1
         summary.tolerated += result.get("tolerated", 0)
         parts.append(f"{mode} {got}" + (f" ({first[:160]})" if first else ""))
     example = f"#{case.index} {case.mutation.what}: " + "; ".join(parts)
