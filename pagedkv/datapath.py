@@ -10,6 +10,7 @@ import numpy as np
 from . import faults
 from .errors import PageCorrupt, PagedKVError, PoolExhausted
 from .lockfile import lock_holder
+from .directory import HAS_TOKENS, HASHED, NOWHERE
 from .geometry import Geometry
 from .prefix import seal, write_tokens
 from .sequence import Sequence
@@ -99,6 +100,55 @@ def truncate(store: KVStore, seq: Sequence, length: int, npages: int, last: int,
     seq.length = length
 
 
+def shorten(store: KVStore, seq: Sequence, length: int) -> None:
+    """Cut ``seq`` back to its first ``length`` tokens (``KVStore.truncate``); ``length`` is checked.
+
+    Pages past the new end are released as ``drop`` releases them (tail first;
+    hashed ones stay as cache). A partly kept last page is cut in place only if
+    it is this sequence's alone, carries no prefix hash and loses none of its
+    committed tokens: a page shared with a fork or the prefix index is never
+    modified, and a committed token must stay where the last commit says it is
+    until the next commit (a later append would write over it). Otherwise the
+    sequence gets a private copy of the kept tokens, made before anything
+    changes, so a failure (``PoolExhausted``, ``PageCorrupt``) leaves the
+    sequence as it was.
+    """
+    mgr, page_size = store._mgr, store.geometry.page_size
+    npages = -(-length // page_size)
+    released = seq.pids[npages:seq.npages][::-1].copy()
+    if npages:
+        last = int(seq.pids[npages - 1])
+        keep = length - (npages - 1) * page_size
+        if keep < mgr.fill[last]:
+            mgr.ensure_resident(np.array([last]))
+            mgr.verify(last)  # never launder a damaged page into a fresh checksum
+            committed = int(mgr.c_fill[last]) if mgr.c_where[last] != NOWHERE else 0
+            if mgr.ref[last] == 1 and not mgr.flags[last] & HASHED and keep >= committed:
+                _cut_tokens(mgr, last, keep, mgr.page_tokens_of(last))
+                mgr.mark_written(last, keep)
+            else:
+                copy = mgr.copy_page(last)
+                _cut_tokens(mgr, copy, keep, mgr.page_tokens.get(copy))
+                mgr.mark_written(copy, keep)
+                seq.pids[npages - 1] = copy
+                released = np.append(released, last)
+    seq.npages = npages
+    seq.length = length
+    if len(released):
+        mgr.decref(released)
+
+
+def _cut_tokens(mgr: Any, pid: int, keep: int, token_ids: np.ndarray | None) -> None:
+    """Keep the ids of a cut page's first ``keep`` tokens (unknown ids stay unknown)."""
+    if not mgr.flags[pid] & HAS_TOKENS:
+        return
+    if token_ids is None or len(token_ids) < keep:
+        mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
+        mgr.page_tokens.pop(pid, None)
+    else:
+        mgr.page_tokens[pid] = np.array(token_ids[:keep])
+
+
 def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> tuple[int, int]:
     """Validate ``[start, stop)`` against ``[0, limit]`` (``limit`` tokens or pages); return ints."""
     for name, value in (("start", start), ("stop", stop)):
@@ -161,6 +211,12 @@ def read_pages(store: KVStore, seq: Sequence, first: int, last: int, length: int
     if last > first and tail < geom.page_size:
         out[-1, :, :, tail:] = 0  # the slot's bytes there are another page's leftovers
     return out
+
+
+def each_page(store: KVStore, seq: Sequence, first: int, last: int,
+              visit: Callable[[int, np.ndarray], None]) -> None:
+    """``visit(index, page)`` for pages ``[first, last)`` where they lie, verified (``KVStore.each_page``)."""
+    _each_page(store, seq, first, last, visit)
 
 
 def _each_page(store: KVStore, seq: Sequence, first: int, last: int,

@@ -6,14 +6,14 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import lmdb
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
 from .check import check_store
-from .errors import (ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
+from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt)
 from .geometry import Geometry
 from .manager import BlockManager
@@ -195,6 +195,36 @@ class KVStore:
         self._dirty[seq.key] = seq
         self._stats.add("tokens_appended", count)
 
+    @_op(write=True)
+    def truncate(self, seq_id: SeqId, length: int) -> None:
+        """Roll a sequence back to its first ``length`` tokens (rejected speculative tokens, say).
+
+        The kept tokens keep their K/V and token ids, so kept full pages stay
+        reusable prefixes. Pages past the new end are released like ``drop``
+        releases them (hashed ones stay as cache). A page shared with a fork or
+        the prefix cache is never modified: a partly kept last page that is
+        shared (or that would lose committed tokens) is replaced by a private
+        copy of its kept tokens. Like every change, it is durable at the next
+        ``commit()``; a crash before that shows the sequence as last committed.
+
+        Params:
+            length: the new length, in ``[0, length(seq_id)]``; equal is a no-op.
+        Raises:
+            SequenceNotFound, SequenceBusy (the sequence is in an active step),
+            PagedKVError (``length`` is not an int or is outside the range),
+            PoolExhausted (a copy is needed and every slot is pinned), PageCorrupt.
+        """
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+            raise PagedKVError(f"length must be an int, got {type(length).__name__}")
+        seq = self._idle_seq(seq_id)
+        if not 0 <= length <= seq.length:
+            raise PagedKVError(f"length {length} is outside [0, {seq.length}] of sequence {seq_id!r}")
+        if length == seq.length:
+            return
+        self._table_epoch += 1
+        datapath.shorten(self, seq, int(length))
+        self._dirty[seq.key] = seq
+
     def _truncate(self, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
         self._table_epoch += 1
         datapath.truncate(self, seq, length, npages, last, last_fill)
@@ -238,6 +268,33 @@ class KVStore:
         self._stats.add("tokens_read", min(seq.length, stop * self.geometry.page_size)
                         - start * self.geometry.page_size)
         return out
+
+    @_op(write=False)
+    def each_page(self, seq_id: SeqId, fn: Callable[[int, np.ndarray], Any], start: int = 0,
+                  stop: int | None = None) -> int:
+        """Call ``fn(index, page)`` for pages ``[start, stop)`` as they lie in the pool: ``read_pages`` without its copy.
+
+        ``page`` is a read-only ``(layers, 2, page_size, kv_heads, head_dim)`` view,
+        verified like a ``read_pages`` page and valid only during the call (copy out
+        what you keep); positions past the last written token hold leftovers. For
+        an engine moving whole blocks into its own memory. ``fn`` runs under the
+        store's lock: it must not call the store. Returns the pages visited; raises
+        ``PageCorrupt`` like ``read``, after visiting the pages of earlier batches.
+        """
+        seq = self._seq(seq_id)
+        pages = -(-self._written(seq) // self.geometry.page_size)
+        start, stop = datapath.check_range(seq, start, pages if stop is None else stop, pages, "pages")
+
+        def visit(index: int, page: np.ndarray) -> None:
+            view = page.view()
+            view.flags.writeable = False
+            fn(index, view)
+
+        datapath.serve(self, seq, lambda seq: datapath.each_page(self, seq, start, stop, visit),
+                       lambda seq: seq.npages >= stop)
+        self._stats.add("tokens_read", min(seq.length, stop * self.geometry.page_size)
+                        - start * self.geometry.page_size)
+        return stop - start
 
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:

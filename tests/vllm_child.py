@@ -21,12 +21,10 @@ def _perturb_loads() -> None:
     """Make every loaded page wrong (test-only negative control, in-process engines only)."""
     from pagedkv.integrations.vllm import layouts
 
-    original = layouts.LayerCaches.scatter
-
-    def scatter(self, block_ids, pages):  # type: ignore[no-untyped-def]
-        return original(self, block_ids, pages * 0.5 + 0.25)
-
-    layouts.LayerCaches.scatter = scatter  # type: ignore[method-assign]
+    caches = layouts.LayerCaches
+    scatter, scatter_page = caches.scatter, caches.scatter_page
+    caches.scatter = lambda self, ids, pages: scatter(self, ids, pages * 0.5 + 0.25)  # type: ignore
+    caches.scatter_page = lambda self, block, page: scatter_page(self, block, page * 0.5 + 0.25)  # type: ignore
 
 
 def _flush_store() -> None:

@@ -21,6 +21,7 @@ batch of blocks whatever the device; nothing here is CPU-specific.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,10 @@ from ...errors import PagedKVError
 from ...geometry import Geometry
 
 __all__ = ["default_layout", "LayerCaches", "to_torch", "to_numpy"]
+
+# Pages the store lends (KVStore.each_page) are read-only numpy views; torch warns that it
+# cannot protect them. They are only ever read here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def default_layout(device: torch.device) -> str:
@@ -100,6 +105,9 @@ class LayerCaches:
         if self.split * self.kernel_tokens != geometry.page_size:
             raise PagedKVError(f"vLLM blocks of {self.split * self.kernel_tokens} tokens for pages of "
                                f"{geometry.page_size}")
+        self._bf16 = geometry.dtype == "bfloat16"
+        self._page_shape = (geometry.layers, 2, self.split, self.kernel_tokens, geometry.kv_heads,
+                            geometry.head_dim)
         want = to_torch(np.empty(0, geometry.np_dtype)).dtype
         if any(view.dtype != want for view in self.views):
             raise PagedKVError(f"vLLM's KV caches are {first.dtype}; the store holds {geometry.dtype}")
@@ -109,23 +117,40 @@ class LayerCaches:
 
     def gather(self, block_ids: Any, k_out: np.ndarray, v_out: np.ndarray) -> None:
         """Copy blocks ``block_ids`` into ``k_out``/``v_out``, each ``(layers, n, page_size, heads, dim)``."""
-        index = self._index(block_ids)
-        shape = (len(index), self.split, self.kernel_tokens, self.geometry.kv_heads, self.geometry.head_dim)
+        ids = [int(block) for block in block_ids]
+        shape = (self.geometry.layers, len(ids), self.split, self.kernel_tokens, self.geometry.kv_heads,
+                 self.geometry.head_dim)
+        k_dst, v_dst = to_torch(k_out).view(shape), to_torch(v_out).view(shape)
+        if self.device.type == "cpu":
+            # One strided copy per block beats one index_select over the permuted view 3:1 on the CPU.
+            for layer, view in enumerate(self.views):
+                for n, block in enumerate(ids):
+                    src = view[block]
+                    k_dst[layer, n].copy_(src[0])
+                    v_dst[layer, n].copy_(src[1])
+            return
+        index = self._index(ids)
         for layer, view in enumerate(self.views):
-            for which, out in ((0, k_out), (1, v_out)):
-                dst = to_torch(out[layer]).view(shape)
-                if self.device.type == "cpu":
-                    torch.index_select(view[:, which], 0, index, out=dst)
-                else:
-                    dst.copy_(view[:, which].index_select(0, index))
+            picked = view.index_select(0, index)
+            k_dst[layer].copy_(picked[:, 0])
+            v_dst[layer].copy_(picked[:, 1])
+
+    def scatter_page(self, block_id: int, page: np.ndarray) -> None:
+        """Copy one page (``(layers, 2, page_size, heads, dim)``, e.g. a view into the store's pool) into a block."""
+        src = (torch.from_numpy(page.view(np.int16)).view(torch.bfloat16) if self._bf16
+               else torch.from_numpy(page)).view(self._page_shape)
+        for layer, view in enumerate(self.views):
+            view[block_id].copy_(src[layer])
 
     def scatter(self, block_ids: Any, pages: np.ndarray) -> None:
         """Copy ``pages`` (``(n, layers, 2, page_size, heads, dim)``, pool layout) into blocks ``block_ids``."""
-        index = self._index(block_ids)
+        ids = [int(block) for block in block_ids]
+        if self.device.type == "cpu":
+            for n, block in enumerate(ids):  # per block, like gather (3x one index_copy_ here)
+                self.scatter_page(block, pages[n])
+            return
+        index = self._index(ids)
         geom = self.geometry
-        shape = (len(index), 2, self.split, self.kernel_tokens, geom.kv_heads, geom.head_dim)
+        shape = (len(ids), 2, self.split, self.kernel_tokens, geom.kv_heads, geom.head_dim)
         for layer, view in enumerate(self.views):
-            src = to_torch(pages[:, layer]).reshape(shape)
-            if self.device.type != "cpu":
-                src = src.to(self.device)
-            view.index_copy_(0, index, src)
+            view.index_copy_(0, index, to_torch(pages[:, layer]).reshape(shape).to(self.device))

@@ -136,7 +136,7 @@ class WorkerSide:
         started = time.perf_counter()
         self._wait_applied()
         for job in plan.loads:
-            loaded = self._load_job(job) if self.store is not None and self.caches is not None else 0
+            loaded = self.load_job(job) if self.store is not None and self.caches is not None else 0
             if loaded < job.last - job.first:
                 self._load_errors.update(job.block_ids[loaded:])
                 with self._stats_lock:
@@ -146,7 +146,7 @@ class WorkerSide:
             self._count("pages_loaded", loaded)
         self._count("load_us", (time.perf_counter() - started) * 1e6)
 
-    def _load_job(self, job: PageJob) -> int:
+    def load_job(self, job: PageJob) -> int:
         """Copy pages ``[first, last)`` of the job into its blocks; return how many were."""
         assert self.store is not None and self.caches is not None
         store, size = self.store, self.geometry.page_size
@@ -162,12 +162,7 @@ class WorkerSide:
             held = min(reused // size - shift, job.last)
             if held <= job.first:
                 return 0
-            try:
-                pages = store.read_pages(seq, shift + job.first, shift + held)
-            except PageCorrupt:
-                pages = self._read_until_corrupt(seq, shift + job.first, shift + held)
-            self.caches.scatter(job.block_ids[:len(pages)], pages)
-            return len(pages)
+            return self._copy_in(seq, shift + job.first, shift + held, job.block_ids)
         except PagedKVError as exc:
             self._count("store_errors")
             log.warning("pagedkv: load of %s failed, recomputing: %s", job.req_id, exc)
@@ -178,19 +173,42 @@ class WorkerSide:
             except PagedKVError:
                 pass
 
-    def _read_until_corrupt(self, seq: str, first: int, last: int) -> np.ndarray:
-        """The pages of ``[first, last)`` before the first one that fails its checksum."""
-        assert self.store is not None
-        good = []
+    def _copy_in(self, seq: str, first: int, last: int, block_ids: list[int]) -> int:
+        """Copy pages ``[first, last)`` of ``seq`` into ``block_ids``; return how many, stopping at a corrupt one.
+
+        On the CPU each page goes straight from the store's pool into its block
+        (``each_page``, no intermediate copy); other devices take one batch in pool
+        layout (``read_pages``) and one copy per layer to the device.
+        """
+        assert self.store is not None and self.caches is not None
+        store, caches = self.store, self.caches
+        if caches.device.type == "cpu":
+            def one(index: int, page: np.ndarray) -> None:
+                caches.scatter_page(block_ids[index - first], page)
+
+            try:
+                return store.each_page(seq, one, first, last)
+            except PageCorrupt:
+                pass
+            for index in range(first, last):  # the pages before the first corrupt one
+                try:
+                    store.each_page(seq, one, index, index + 1)
+                except PageCorrupt as exc:
+                    log.warning("pagedkv: %s; recomputing from there", exc)
+                    return index - first
+            return last - first
+        try:
+            caches.scatter(block_ids[:last - first], store.read_pages(seq, first, last))
+            return last - first
+        except PageCorrupt:
+            pass
         for index in range(first, last):
             try:
-                good.append(self.store.read_pages(seq, index, index + 1))
+                caches.scatter(block_ids[index - first:index - first + 1], store.read_pages(seq, index, index + 1))
             except PageCorrupt as exc:
                 log.warning("pagedkv: %s; recomputing from there", exc)
-                break
-        if not good:
-            return np.empty((0, *self.geometry.page_shape), self.geometry.np_dtype)
-        return np.concatenate(good)
+                return index - first
+        return last - first
 
     def _wait_applied(self) -> None:
         """Until every save queued so far is appended (a load may need its pages)."""
