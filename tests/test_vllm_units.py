@@ -228,3 +228,28 @@ def test_stats_sum_and_reduce() -> None:
     assert not total.is_empty()
     total.reset()
     assert total.is_empty()
+
+
+def test_each_page_lends_the_pages_read_pages_copies(tmp_path: Path) -> None:
+    rng = np.random.default_rng(get_seed("each-page"))
+    tokens = rng.integers(0, 1000, 14)
+    with pagedkv.open(tmp_path / "kv", GEOM, pool_pages=32) as store:
+        _fill(store, "a", tokens, rng)
+        seen: dict[int, np.ndarray] = {}
+
+        def keep(index: int, page: np.ndarray) -> None:
+            assert not page.flags.writeable
+            with pytest.raises(ValueError):
+                page[0, 0, 0, 0, 0] = 1.0
+            seen[index] = page.copy()
+
+        assert store.each_page("a", keep) == 4
+        copies = store.read_pages("a")
+        for index in range(3):
+            np.testing.assert_array_equal(seen[index], copies[index])
+        np.testing.assert_array_equal(seen[3][:, :, :2], copies[3][:, :, :2])  # past the tokens: leftovers
+        seen.clear()
+        assert store.each_page("a", keep, 1, 3) == 2 and sorted(seen) == [1, 2]
+        with pytest.raises(PagedKVError):
+            store.each_page("a", keep, 2, 5)
+        assert store.check() == []
