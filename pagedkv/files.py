@@ -45,7 +45,9 @@ _NOT_REGULAR = (errno.ENXIO, errno.EISDIR, errno.ENOTDIR, errno.EOPNOTSUPP)
 def io_error(exc: OSError, what: str) -> PagedKVError:
     """Translate an OSError into the typed error a caller should see."""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return StoreFull(f"{what}: {os.strerror(exc.errno)}")
+        name = errno.errorcode[exc.errno]
+        cause = {"ENOSPC": "disk full", "EFBIG": "file size limit", "EDQUOT": "disk quota"}[name]
+        return StoreFull(f"{what}: {name}, {cause} ({os.strerror(exc.errno)})")
     return StoreIOError(f"{what}: {exc.strerror or exc}")
 
 

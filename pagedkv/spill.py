@@ -20,7 +20,8 @@ import lmdb
 
 from . import faults
 from .errors import PagedKVError, StoreCorrupt, StoreFull, StoreIOError
-from .files import io_error, make_private_dir, tighten_tree
+from .files import (DIR_MODE, FILE_MODE, fd_path, file_id, io_error, lookup, make_private_dir, open_dir,
+                    open_file, opened_problem, refuse_untrusted, tighten_opened, watch_opens)
 from .lmdbcheck import check_data_file, probe_in_child
 
 T = TypeVar("T")
@@ -75,6 +76,27 @@ def lmdb_error(exc: lmdb.Error, what: str, path: str | None = None) -> PagedKVEr
     return StoreIOError(f"{what}: {text}")
 
 
+_LOCK_FILE_BYTES = 128 + 126 * 64  # LMDB's lock file: its header and max_readers slots
+
+
+def _reserve_lock_file(lock_path: str, dir_fd: int) -> None:
+    """Create lock.mdb with its blocks allocated (``StoreFull`` when the disk has no room)."""
+    try:
+        fd = os.open("lock.mdb", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     FILE_MODE, dir_fd=dir_fd)
+    except FileExistsError:
+        return  # another opener made it: LMDB sizes it, and it is checked like any other
+    except OSError as exc:
+        raise io_error(exc, f"cannot create {lock_path}") from None
+    try:
+        os.posix_fallocate(fd, 0, _LOCK_FILE_BYTES)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink("lock.mdb", dir_fd=dir_fd)
+        raise io_error(exc, f"cannot allocate {lock_path}") from None
+    os.close(fd)
+
+
 def _short_write_cause(path: str) -> str | None:
     """Why a write to the LMDB environment at ``path`` came up short, if it was exhaustion."""
     data = os.path.join(path, "data.mdb")
@@ -122,9 +144,6 @@ class SpillStore:
         self._readers = threading.Condition()  # guards _reading against map growth
         self._reading = 0
         self._writing = threading.Lock()  # one write transaction at a time across threads
-        from .files import (DIR_MODE, FILE_MODE, fd_path, file_id, io_error, lookup, open_dir, open_file,
-                            opened_problem, refuse_untrusted, tighten_opened, watch_opens)
-
         if create:
             make_private_dir(path)
         elif lookup(path) is None:
@@ -157,6 +176,11 @@ class SpillStore:
                 except StoreCorrupt as exc:
                     raise StoreCorrupt(str(exc).replace(pinned, data_path)) from None
                 probe_in_child(path, DB_NAMES, lock=readonly and register_reader)
+            if locking and lock_seen is None:
+                # LMDB sizes a new lock file sparsely and maps it: on a full disk its first
+                # touch of a page is SIGBUS. Its blocks are reserved here instead.
+                _reserve_lock_file(lock_path, dir_fd)
+                lock_seen = lookup(lock_path, dir_fd, "lock.mdb")
             tries = 3  # extra open files may be another thread's: look again before refusing
             for attempt in range(tries):
                 try:
@@ -167,7 +191,7 @@ class SpillStore:
                         max_spare_txns=0,
                     ))
                 except lmdb.Error as exc:
-                    raise lmdb_error(exc, f"cannot open spill store {path}") from None
+                    raise lmdb_error(exc, f"cannot open spill store {path}", path) from None
                 try:
                     if locking:
                         lock_now = lookup(lock_path, dir_fd, "lock.mdb")
@@ -191,7 +215,7 @@ class SpillStore:
                     # One snapshot for the handle's life: directory and records always agree.
                     self._snapshot = self.env.begin(buffers=True)
                 else:
-                    self.dbs = {name: self.env.open_db(name, create=True) for name in DB_NAMES}
+                    self.dbs = self._create_dbs()
                     self.stale_readers = self.env.reader_check()
                     try:
                         os.fchmod(dir_fd, DIR_MODE)
@@ -204,7 +228,7 @@ class SpillStore:
                 raise StoreCorrupt(f"{path}: not a pagedkv spill store (named databases missing)") from None
             except lmdb.Error as exc:
                 self.env.close()
-                raise lmdb_error(exc, f"cannot open spill store {path}") from None
+                raise lmdb_error(exc, f"cannot open spill store {path}", path) from None
             except BaseException:
                 self.env.close()
                 raise
@@ -213,6 +237,15 @@ class SpillStore:
                 os.close(data_fd)
             os.close(dir_fd)
         self.meta, self.seqs, self.dir, self.pages, self.tokens = (self.dbs[name] for name in DB_NAMES)
+
+    def _create_dbs(self) -> dict[bytes, Any]:
+        """Open (creating) the named databases, growing the map while it is too small for them."""
+        while True:
+            try:
+                return {name: self.env.open_db(name, create=True) for name in DB_NAMES}
+            except lmdb.MapFullError:
+                with self._writing:
+                    self._grow("create the named databases")
 
     def write(self, body: Callable[[lmdb.Transaction], T], what: str = "commit") -> T:
         """Run ``body`` in one write transaction and commit it; grow the map when full.

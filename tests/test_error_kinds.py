@@ -6,8 +6,7 @@
   the last returned commit (or the one being made), every page intact and usable.
 * Stores created with LMDB maps from 4 KiB to 1 MiB grow on their own while pages many
   times the map's size spill, and one value thousands of times the map goes in one
-  transaction. (Creation below 36 KiB is a strict xfail until ``SpillStore.__init__``
-  grows the map while it creates the named databases.)
+  transaction, creating the named databases included.
 * ``pagedkv verify --live`` run over and over beside a writer busy committing, evicting and
   restoring reports no damage that is not there, and still reports damage that is.
 
@@ -279,10 +278,6 @@ def test_disk_full_is_store_full(tmp_path: Path, tmpfs_allowed: None) -> None:
                    len(sizes))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SpillStore.__init__: LMDB maps lock.mdb, a sparse file, so the first touch of it on a full "
-    "disk is SIGBUS; and its lmdb_error calls pass no path, so a short write while creating the "
-    "named databases stays a bare EIO (StoreIOError)"))
 def test_disk_full_while_creating(tmp_path: Path, tmpfs_allowed: None) -> None:
     """Every tmpfs size from too small for pool.bin to just big enough for a new store."""
     seed = get_seed("disk full at creation")
@@ -298,13 +293,6 @@ def test_disk_full_while_creating(tmp_path: Path, tmpfs_allowed: None) -> None:
 # -- small maps grow -----------------------------------------------------------------------------
 
 MAP_SIZES = [4 << 10, 8 << 10, 16 << 10, 24 << 10, 32 << 10, 40 << 10, 64 << 10, 256 << 10, 1 << 20]
-CREATES_AT = 36 << 10  # below this, opening the five named databases alone fills the map
-# SpillStore.__init__ opens its named databases in LMDB transactions of their own, outside
-# SpillStore.write's growth loop; until it grows the map there too, creation below 36 KiB
-# fails with MDB_MAP_FULL (strict: these pass, and must lose the mark, once it does).
-CREATION_MAP_FULL = pytest.mark.xfail(
-    strict=True, raises=pagedkv.StoreFull,
-    reason="SpillStore.__init__ opens the named databases outside the map's growth loop")
 WIDE = Geometry(layers=2, kv_heads=4, head_dim=64, page_size=16, dtype="float32")  # 64 KiB pages
 
 
@@ -317,9 +305,7 @@ def _churn(store: pagedkv.KVStore, model: Model, rng: random.Random, rounds: int
         store.commit()
 
 
-@pytest.mark.parametrize("map_size", [
-    pytest.param(m, id=f"{m >> 10}KiB", marks=[CREATION_MAP_FULL] if m < CREATES_AT else [])
-    for m in MAP_SIZES])
+@pytest.mark.parametrize("map_size", [pytest.param(m, id=f"{m >> 10}KiB") for m in MAP_SIZES])
 def test_small_map_grows(fast_tmp: Path, map_size: int) -> None:
     """Created with a small map, a store spilling 64 KiB pages grows it; reopened small, again."""
     seed = get_seed(f"map {map_size}")
@@ -344,7 +330,7 @@ def test_small_map_grows(fast_tmp: Path, map_size: int) -> None:
 
 def test_one_value_thousands_of_times_the_map(fast_tmp: Path) -> None:
     """One value 4,200 times the map it goes into: the map doubles as often as it takes (13 times)."""
-    spill = SpillStore(str(fast_tmp / "spill"), readonly=False, create=True, sync=False, map_size=CREATES_AT)
+    spill = SpillStore(str(fast_tmp / "spill"), readonly=False, create=True, sync=False, map_size=36 << 10)
     try:
         start = spill.env.info()["map_size"]
         value = bytes(4200 * start)
