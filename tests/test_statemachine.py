@@ -4,7 +4,9 @@ The model keeps, per sequence, the (content key, start, n) segments its tokens
 came from, so expected bytes are regenerated. The pool holds 6 pages while the
 working set is many times that, so nearly every rule evicts or restores. Rules:
 create, append, read, step (the engine writes K/V through slot_mapping; some
-steps fail and must roll back), fork, drop, commit, clean close/reopen, and a
+steps fail and must roll back), truncate (the model rolls back and later appends
+get new content, so bytes left behind by a truncation read back wrong), fork,
+drop, commit, clean close/reopen, and a
 crash (``_abandon``) after which the model rolls back to the last commit.
 Invariants after every rule: ``check() == []`` and the pool accounting adds up.
 
@@ -43,7 +45,7 @@ PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if SHRI
 
 # Totals over every example, to show the run exercised eviction and restore at all.
 TOTALS = {"evictions": 0, "restores": 0, "cow_copies": 0, "rollbacks": 0, "crashes": 0, "reopens": 0,
-          "steps": 0, "appends": 0, "reads": 0, "forks": 0, "drops": 0, "commits": 0, "no_room": 0,
+          "steps": 0, "appends": 0, "truncates": 0, "reads": 0, "forks": 0, "drops": 0, "commits": 0, "no_room": 0,
           "examples": 0, "busy_examples": 0}
 
 
@@ -166,6 +168,22 @@ class StoreMachine(RuleBasedStateMachine):
         for seq in chosen:
             assert self.store.length(seq) == self.model.lens[seq]
 
+    @precondition(lambda self: self.model.segs)
+    @rule(data=st.data())
+    def truncate(self, data) -> None:
+        """Roll a sequence back, often by a few tokens (rejected speculative ones), sometimes far."""
+        seq = data.draw(st.sampled_from(self._ids()), label="seq")
+        length = self.model.lens[seq]
+        new = data.draw(st.one_of(st.integers(max(0, length - PS - 1), length), st.integers(0, length)),
+                        label="length")
+        self.store.truncate(seq, new)
+        m = self.model
+        m.undo(seq, new)
+        m._gen += 1
+        m.keys[seq] = (seq, m._gen)  # what is appended next differs from what was cut
+        assert self.store.length(seq) == new
+        TOTALS["truncates"] += 1
+
     @precondition(lambda self: self.model.segs and len(self.model.segs) < MAX_SEQS)
     @rule(data=st.data())
     def fork(self, data) -> None:
@@ -266,3 +284,4 @@ def test_statemachine_store_matches_model() -> None:
     assert TOTALS["evictions"] > 0 and TOTALS["restores"] > 0
     assert TOTALS["cow_copies"] > 0 and TOTALS["rollbacks"] > 0
     assert TOTALS["crashes"] > 0 and TOTALS["reopens"] > 0 and TOTALS["steps"] > 0
+    assert TOTALS["truncates"] > 0
