@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 import time
 
 from .errors import StoreLocked
 from .files import FILE_MODE, file_id, io_error, open_file
+
+log = logging.getLogger(__name__)
 
 
 PROC_LOCKS = "/proc/locks"
@@ -104,6 +107,7 @@ def _read_pid(fd: int) -> int | None:
 
 
 _ORPHAN_WAIT = 1.0  # seconds to wait for a dead holder's children to let go
+_FIRST_POLL, _LAST_POLL = 0.001, 0.05  # seconds between polls of a held lock, doubling
 
 
 def _alive(pid: int) -> bool:
@@ -117,34 +121,61 @@ def _alive(pid: int) -> bool:
 
 
 class WriterLock:
-    """An exclusive, non-blocking writer lock; released at once if the holder dies.
+    """An exclusive writer lock; released at once if the holder dies.
 
     LOCK is opened like every store file (``files.open_file``): a link, a FIFO or a
     file with a second name is refused before a byte of it is written.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        """Take the lock on ``path``, waiting up to ``timeout`` seconds for another writer to let go.
+
+        Params:
+            timeout: None or 0 fails at once if the lock is held; otherwise the
+                lock is polled with a growing interval (1 ms up to 50 ms) until it
+                is free or the time is up (``math.inf``: wait as long as it takes).
+        Raises:
+            StoreLocked (naming the holder's pid), StoreIOError.
+        """
         fd = open_file(path, writable=True, create=True)
         try:
             os.fchmod(fd, FILE_MODE)
         except OSError as exc:
             os.close(fd)
             raise io_error(exc, f"cannot open lock file {path}") from None
-        deadline = time.monotonic() + _ORPHAN_WAIT
+        started = time.monotonic()
+        orphan_deadline = started + _ORPHAN_WAIT
+        give_up = started + timeout if timeout else started
+        delay, waited = _FIRST_POLL, False
+        store = os.path.dirname(path) or "."
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 holder = _read_pid(fd)
+                now = time.monotonic()
                 # A writer killed while a short-lived child of its own (the open-time
                 # probe) still ran leaves the lock with that child for a moment.
-                if holder and not _alive(holder) and time.monotonic() < deadline:
+                if holder and not _alive(holder) and now < orphan_deadline:
                     time.sleep(0.001)
                     continue
-                os.close(fd)
                 who = f"pid {holder}" if holder else "another handle"
-                raise StoreLocked(f"{os.path.dirname(path) or '.'} is locked by a writer ({who})") from None
+                if now < give_up:
+                    if not waited:
+                        log.info("%s: waiting up to %g s for the writer lock held by %s", store,
+                                 timeout, who)
+                        waited = True
+                    # Polling, not a blocking flock: a blocked flock cannot be given a
+                    # deadline without signals, which belong to the application.
+                    time.sleep(min(delay, give_up - now))
+                    delay = min(2 * delay, _LAST_POLL)
+                    continue
+                os.close(fd)
+                after = f" after waiting {timeout:g} s" if timeout else ""
+                raise StoreLocked(f"{store} is locked by a writer ({who}){after}") from None
+        if waited:
+            log.info("%s: took the writer lock after waiting %.3f s", store, time.monotonic() - started)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

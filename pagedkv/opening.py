@@ -64,7 +64,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                allow_remote: bool = False, model: str | None = None,
                allow_model_change: bool = False, spill_limit_bytes: int | None = None,
                spill_codec: str = "raw", write_behind: bool | None = None,
-               recreate: bool = False) -> KVStore:
+               recreate: bool = False, lock_timeout: float | None = None) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -87,9 +87,13 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             (lossy: within half a quantisation step), or "zstd" (lossless, smaller).
         write_behind: spill in a background thread ahead of need, so appends and steps
             wait for spill I/O only when no slot is free (default: ``PAGEDKV_WRITE_BEHIND=1``).
+        lock_timeout: seconds to wait for another writer to release the store's lock
+            (polled, 1 ms doubling to 50 ms; ``math.inf`` waits for ever); None or 0
+            raises ``StoreLocked`` at once. A read-only open takes no lock.
     Raises:
-        StoreLocked, StoreCorrupt, GeometryMismatch, FormatVersionError, StoreIOError (an
-        unreadable directory or file), PagedKVError (a volatile open that would erase data).
+        StoreLocked (naming the holder's pid; after ``lock_timeout`` seconds if given),
+        StoreCorrupt, GeometryMismatch, FormatVersionError, StoreIOError (an unreadable
+        directory or file), PagedKVError (a volatile open that would erase data).
     """
     path = os.fspath(path)
     if durability not in DURABILITY:
@@ -107,6 +111,9 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError("model must be a str fingerprint")
     if spill_limit_bytes is not None and (not isinstance(spill_limit_bytes, int) or spill_limit_bytes < 1):
         raise PagedKVError("spill_limit_bytes must be a positive int")
+    if lock_timeout is not None and (isinstance(lock_timeout, bool)
+                                     or not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0):
+        raise PagedKVError(f"lock_timeout must be None or a number of seconds >= 0, got {lock_timeout!r}")
     if spill_codec not in CODECS:
         raise PagedKVError(f"spill_codec must be one of {CODECS}, got {spill_codec!r}")
     if write_behind is None:
@@ -139,7 +146,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     lock_path = os.path.join(path, LOCK_FILE)
     if wipe and not recreate and lock_holder(lock_path) is None:
         _refuse_erasing(path)  # before the lock, so that a refusal leaves every byte (LOCK too)
-    lock = WriterLock(lock_path)
+    lock = WriterLock(lock_path, lock_timeout)
     faults.crashpoint("open.after_lock")
     try:
         if wipe:
