@@ -5,6 +5,7 @@ from __future__ import annotations
 from .errors import (FormatVersionError, GeometryMismatch, ModelMismatch, PageCorrupt, PagedKVError, PoolExhausted,
                      ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
+from .check import Problem
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
 from .step import Step
@@ -16,5 +17,5 @@ __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
     "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
-    "FormatVersionError", "__version__",
+    "FormatVersionError", "Problem", "__version__",
 ]

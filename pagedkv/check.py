@@ -1,76 +1,133 @@
-"""``KVStore.check()``: an fsck of every invariant and every page checksum."""
+"""``KVStore.check()``: an fsck of every invariant and every page checksum.
+
+Each problem is a ``Problem``: a stable ``kind``, the page uid and sequence id
+it concerns (when it concerns one) and a one-line message. ``check()`` returns
+the messages; ``check(detailed=True)`` the ``Problem`` values themselves, so
+that tools can tell kinds apart without matching message text.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .codec import page_checksum
 from .errors import PageCorrupt
 from .manager import REC_CURRENT
+from .sequence import SeqId
 from .spill import key_uid
 from .restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore
 
+# Every kind ``check_store`` reports; a new kind is a new entry here (and in the README).
+KINDS = {
+    "metadata": "a metadata record failed its checksum or is malformed (a read-only open left it out)",
+    "page_count": "a sequence's page count does not cover its length",
+    "freed_page": "a sequence references a page that is no longer allocated",
+    "short_page": "a page holds fewer tokens than the block table uses",
+    "refcount": "a page's refcount differs from the number of block-table references",
+    "slot_owner": "a resident page's pool slot names another page",
+    "slot_count": "occupied slots and resident pages disagree",
+    "free_list": "the free-slot list is inconsistent",
+    "pin_count": "a slot has a negative pin count",
+    "pool_checksum": "a resident page's pool slot fails its checksum",
+    "missing_record": "a spilled page has no current spill record",
+    "record": "a spill record is missing, malformed or fails its checksum",
+    "stray_record": "a spill record belongs to no page (left by an interrupted writer)",
+}
 
-def check_store(store: KVStore) -> list[str]:
-    """Every problem found, as one line each; [] when the store is consistent."""
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found by ``KVStore.check(detailed=True)``.
+
+    Attributes:
+        kind: one of ``pagedkv.check.KINDS`` (e.g. ``"pool_checksum"``, ``"record"``).
+        message: the one-line description ``check()`` returns for it.
+        page: the uid of the page concerned, if one is.
+        sequence: the id of the sequence concerned, if one is.
+    """
+
+    kind: str
+    message: str
+    page: int | None = None
+    sequence: SeqId | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"kind", "page", "sequence", "message"}`` (an id that is not str or int as its repr)."""
+        seq = self.sequence
+        return {"kind": self.kind, "page": self.page,
+                "sequence": seq if seq is None or type(seq) in (str, int) else repr(seq),
+                "message": self.message}
+
+
+def check_store(store: KVStore) -> list[Problem]:
+    """Every problem found; [] when the store is consistent."""
     mgr = store._mgr
     if mgr.wait_background is not None:
         mgr.wait_background()  # a write-behind batch in flight holds slots back
-    problems: list[str] = []
+    problems: list[Problem] = []
     live = np.flatnonzero(mgr.live)
     refs = np.zeros(len(mgr.live), np.int64)
     page_size = store.geometry.page_size
     for seq in store._seqs.values():
-        table = seq.table
+        table, sid = seq.table, seq.seq_id
         if seq.npages != -(-seq.length // page_size):
-            problems.append(f"sequence {seq.seq_id!r}: {seq.npages} pages for {seq.length} tokens")
+            problems.append(Problem("page_count", f"sequence {sid!r}: {seq.npages} pages for {seq.length} tokens",
+                                    sequence=sid))
             continue
         if len(table) and not mgr.live[table].all():
-            problems.append(f"sequence {seq.seq_id!r} references a freed page")
+            problems.append(Problem("freed_page", f"sequence {sid!r} references a freed page", sequence=sid))
             continue
         np.add.at(refs, table, 1)
         if len(table):
             need = np.full(len(table), page_size)
             need[-1] = seq.length - (len(table) - 1) * page_size
-            if (mgr.fill[table] < need).any():
-                problems.append(f"sequence {seq.seq_id!r}: a page holds fewer tokens than the table uses")
+            short = np.flatnonzero(mgr.fill[table] < need)
+            if len(short):
+                problems.append(Problem("short_page", f"sequence {sid!r}: a page holds fewer tokens than the "
+                                        "table uses", page=int(mgr.uid[table[short[0]]]), sequence=sid))
     wrong = live[refs[live] != mgr.ref[live]]
-    problems += [f"page {int(mgr.uid[p])}: refcount {int(mgr.ref[p])}, referenced {int(refs[p])} times"
+    problems += [Problem("refcount", f"page {int(mgr.uid[p])}: refcount {int(mgr.ref[p])}, referenced "
+                         f"{int(refs[p])} times", page=int(mgr.uid[p]))
                  for p in wrong[:20]]
     problems += _check_slots(store, live)
     problems += _check_pages(store, live)
     return problems
 
 
-def _check_slots(store: KVStore, live: np.ndarray) -> list[str]:
+def _check_slots(store: KVStore, live: np.ndarray) -> list[Problem]:
     mgr = store._mgr
     problems = []
     resident = live[mgr.slot[live] >= 0]
     if (mgr.slot_pid[mgr.slot[resident]] != resident).any():
-        problems.append("a resident page's slot names another page")
+        problems.append(Problem("slot_owner", "a resident page's slot names another page"))
     owners = np.flatnonzero(mgr.slot_pid >= 0)
     if len(owners) != len(resident):
-        problems.append(f"{len(owners)} slots are occupied but {len(resident)} pages are resident")
+        problems.append(Problem("slot_count", f"{len(owners)} slots are occupied but {len(resident)} pages "
+                                "are resident"))
     free = mgr.free_slots
     if len(set(free)) != len(free):
-        problems.append("a slot is on the free list twice")
+        problems.append(Problem("free_list", "a slot is on the free list twice"))
     expected_free = set(np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0)).tolist())
     if set(free) != expected_free:
-        problems.append(f"free list has {len(free)} slots, {len(expected_free)} are free")
+        problems.append(Problem("free_list", f"free list has {len(free)} slots, {len(expected_free)} are free"))
     pending = int(np.count_nonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0)))
     if len(owners) + len(free) + pending != store.pool_pages:
-        problems.append("used + free + pending slots do not add up to the pool size")
+        problems.append(Problem("slot_count", "used + free + pending slots do not add up to the pool size"))
     if (mgr.pins < 0).any():
-        problems.append("a slot has a negative pin count")
+        problems.append(Problem("pin_count", "a slot has a negative pin count"))
     return problems
 
 
-def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
+def _check_pages(store: KVStore, live: np.ndarray) -> list[Problem]:
     mgr = store._mgr
     problems = []
     for pid in live.tolist():
@@ -79,9 +136,10 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
             if mgr.csum_ok[pid]:
                 actual = page_checksum(mgr.pool[slot], int(mgr.fill[pid]), uid, mgr.seed)
                 if actual != int(mgr.csum[pid]):
-                    problems.append(f"page {uid}: pool slot {slot} fails its checksum")
+                    problems.append(Problem("pool_checksum", f"page {uid}: pool slot {slot} fails its checksum",
+                                            page=uid))
         elif mgr.rec[pid] != REC_CURRENT:
-            problems.append(f"page {uid}: spilled without a current record")
+            problems.append(Problem("missing_record", f"page {uid}: spilled without a current record", page=uid))
     spilled = live[mgr.slot[live] < 0]
     with mgr.spill.begin_read() as txn:
         for pid in spilled.tolist():
@@ -89,12 +147,18 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[str]:
             try:
                 read_record(mgr, txn, pid)
             except PageCorrupt as exc:
-                problems.append(str(exc))
+                problems.append(Problem("record", str(exc), page=uid))
     # A read-only handle sees the records a crashed writer left uncommitted; the
     # next writer collects them, so they are not damage.
     if not store.readonly:
-        problems += [f"spill record {uid} belongs to no page" for uid in stray_records(store)]
+        problems += stray_problems(store)
     return problems
+
+
+def stray_problems(store: KVStore) -> list[Problem]:
+    """``stray_records`` as problems of kind ``"stray_record"``."""
+    return [Problem("stray_record", f"spill record {uid} belongs to no page", page=uid)
+            for uid in stray_records(store)]
 
 
 def stray_records(store: KVStore) -> list[int]:

@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 
 from . import datapath, faults, persist, step as step_mod
-from .check import check_store
+from .check import Problem, check_store
 from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt)
 from .geometry import Geometry
@@ -493,9 +493,12 @@ class KVStore:
         return store_stats(self)
 
     @_op(write=False)
-    def check(self) -> list[str]:
+    def check(self, detailed: bool = False) -> list[str] | list[Problem]:
         """Verify every checksum and invariant; return the problems found ([] when consistent).
 
         Damaged metadata records a read-only handle left out at open come first.
+        Each is a one-line str; with ``detailed``, a ``pagedkv.Problem`` (kind, page,
+        sequence, message) whose ``message`` is that line.
         """
-        return [f"damaged metadata: {line}" for line in self._damage] + check_store(self)
+        problems = [Problem("metadata", f"damaged metadata: {line}") for line in self._damage] + check_store(self)
+        return problems if detailed else [problem.message for problem in problems]
