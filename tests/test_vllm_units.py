@@ -266,7 +266,6 @@ def test_both_sides_without_an_engine(tmp_path: Path) -> None:
     """Save blocks, look the prompt up, load it into other blocks; salts and a bad store."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from pagedkv.integrations.vllm.meta import PageJob, StepPlan
     from pagedkv.integrations.vllm.scheduler import SchedulerSide
     from pagedkv.integrations.vllm.worker import WorkerSide
 

@@ -8,11 +8,10 @@ load errors: vLLM recomputes from the first of them.
 
 Saves are split so that a step never waits on disk: after the forward pass the
 planned blocks are copied out of vLLM's caches into staging arrays (memory
-only), and a writer thread appends them to the store (again through a
-short-lived sequence created with the request's token ids, so only pages the
-store lacks are written) and commits once per batch of steps. Loads wait only
-until the saves queued before them are appended (not committed), so a page
-planned one step is loadable the next.
+only), and the writer thread (``writer.py``) appends them to the store and
+commits once per batch of steps. Loads wait only until the saves queued before
+them are appended (not committed), so a page planned one step is loadable the
+next; a load may still wait for a commit in flight, which holds the store lock.
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...errors import PageCorrupt, PagedKVError, StoreFull
+from ...errors import PageCorrupt, PagedKVError
 from ...geometry import Geometry
 from ...opening import open_store
 from ...store import KVStore
@@ -35,19 +33,11 @@ from .config import ConnectorConfig
 from .layouts import LayerCaches
 from .meta import PageJob, PagedKVStats, StepPlan, WorkerReport
 from .shared import log, register_worker_store
+from .writer import SaveWriter, Staged, job_tokens
 
 __all__ = ["WorkerSide", "SEQ_PREFIX"]
 
 SEQ_PREFIX = "vllm:"  # ids of the connector's short-lived sequences (leftovers of a crash are dropped)
-
-
-@dataclass
-class _Staged:
-    """A save job with its pages copied out of vLLM's blocks."""
-
-    job: PageJob
-    k: np.ndarray  # (layers, pages, page_size, kv_heads, head_dim)
-    v: np.ndarray
 
 
 class WorkerSide:
@@ -75,12 +65,7 @@ class WorkerSide:
         self._forget: list[bytes] = []
         self._failed_loads: dict[str, int] = {}
         self._sending: set[str] = set()  # finished requests whose last save is staged
-        self._cond = threading.Condition()
-        self._queue: list[list[_Staged]] = []
-        self._queued_bytes = 0
-        self._enqueued = self._applied = self._committed = 0  # batches queued / appended / committed
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._writer: SaveWriter | None = None
         try:
             self.store = open_store(config.path, geometry, model=fingerprint, **config.open_kwargs(geometry))
             self._drop_leftovers()
@@ -88,8 +73,7 @@ class WorkerSide:
             self._disable(f"cannot open the store at {config.path}: {exc}")
             return
         register_worker_store(config.path, self.store)
-        self._thread = threading.Thread(target=self._write_loop, name="pagedkv-vllm-writer", daemon=True)
-        self._thread.start()
+        self._writer = SaveWriter(self.store, geometry, self._count, self._drop, self._seq_id)
         atexit.register(self.shutdown)
         log.info("pagedkv: store %s open for writing (%s)", config.path, geometry)
 
@@ -122,19 +106,14 @@ class WorkerSide:
         self.caches = LayerCaches([kv_caches[name] for name in self.layer_names], self.geometry,
                                   self.num_blocks, layout)
 
-    def _tokens(self, job: PageJob) -> np.ndarray:
-        ids = np.asarray(job.token_ids, np.uint32)
-        if job.namespace is None:
-            return ids
-        return np.concatenate([np.asarray(job.namespace, np.uint32), ids])
-
     # -- loads -----------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         """Fill the blocks of this step's load jobs; what cannot be loaded becomes a load error."""
         if not plan.loads:
             return
         started = time.perf_counter()
-        self._wait_applied()
+        if self._writer is not None:
+            self._writer.wait_appended()
         for job in plan.loads:
             loaded = self.load_job(job) if self.store is not None and self.caches is not None else 0
             if loaded < job.last - job.first:
@@ -153,7 +132,7 @@ class WorkerSide:
         shift = 0 if job.namespace is None else 1
         seq = self._seq_id("load")
         try:
-            reused = store.create(seq, tokens=self._tokens(job))
+            reused = store.create(seq, tokens=job_tokens(job))
         except PagedKVError as exc:
             self._count("store_errors")
             log.warning("pagedkv: load of %s failed, recomputing: %s", job.req_id, exc)
@@ -163,7 +142,7 @@ class WorkerSide:
             if held <= job.first:
                 return 0
             return self._copy_in(seq, shift + job.first, shift + held, job.block_ids)
-        except PagedKVError as exc:
+        except Exception as exc:  # whatever fails, the blocks are recomputed; the engine goes on
             self._count("store_errors")
             log.warning("pagedkv: load of %s failed, recomputing: %s", job.req_id, exc)
             return 0
@@ -210,19 +189,10 @@ class WorkerSide:
                 return index - first
         return last - first
 
-    def _wait_applied(self) -> None:
-        """Until every save queued so far is appended (a load may need its pages)."""
-        with self._cond:
-            target = self._enqueued
-            while self._applied < target and self._thread is not None and self._thread.is_alive():
-                self._cond.wait()
-
     def flush(self) -> None:
         """Until every save queued so far is appended and committed (or the writer has stopped)."""
-        with self._cond:
-            target = self._enqueued
-            while self._committed < target and self._thread is not None and self._thread.is_alive():
-                self._cond.wait()
+        if self._writer is not None:
+            self._writer.wait_committed()
 
     # -- saves -----------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
@@ -230,109 +200,32 @@ class WorkerSide:
         if not plan.saves:
             return
         started = time.perf_counter()
-        batch: list[_Staged] = []
+        batch: list[Staged] = []
         geom = self.geometry
+        pending = 0  # bytes of this batch, not yet submitted
         for job in plan.saves:
             count = job.last - job.first
             nbytes = count * geom.page_nbytes
             if job.finished:
                 self._sending.add(job.req_id)
-            if self.store is None or self.caches is None or self._stopping or \
-                    self._queued_bytes + nbytes > self.config.save_queue_bytes:
-                self._drop(job)
+            writer = self._writer
+            if writer is None or self.caches is None or \
+                    not writer.room(pending + nbytes, self.config.save_queue_bytes):
+                self._drop(job)  # decode does not wait for the disk: a full queue drops the save
                 continue
+            pending += nbytes
             shape = (geom.layers, count, geom.page_size, geom.kv_heads, geom.head_dim)
             k, v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
             self.caches.gather(job.block_ids, k, v)
-            batch.append(_Staged(job, k, v))
-            with self._cond:
-                self._queued_bytes += nbytes
-        if batch:
-            with self._cond:
-                self._queue.append(batch)
-                self._enqueued += 1
-                self._cond.notify_all()
+            batch.append(Staged(job, k, v))
+        if batch and self._writer is not None:
+            self._writer.submit(batch)
         self._count("save_us", (time.perf_counter() - started) * 1e6)
 
     def _drop(self, job: PageJob) -> None:
         self._count("save_dropped", job.last - job.first)
         with self._stats_lock:
             self._forget.extend(job.digests)
-
-    def _write_loop(self) -> None:
-        """The writer thread: append staged saves, then commit once for everything taken."""
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue and self._stopping:
-                    return
-                batches, self._queue = self._queue, []
-            started = time.perf_counter()
-            for batch in batches:
-                for staged in batch:
-                    self._append(staged)
-                    with self._cond:
-                        self._queued_bytes -= staged.k.nbytes + staged.v.nbytes
-            with self._cond:
-                self._applied += len(batches)
-                self._cond.notify_all()
-            self._commit()
-            with self._cond:
-                self._committed += len(batches)
-                self._cond.notify_all()
-            self._count("save_us", (time.perf_counter() - started) * 1e6)
-
-    def _append(self, staged: _Staged) -> None:
-        """Append the pages of one save job the store lacks (the rest it holds already)."""
-        job, store = staged.job, self.store
-        if store is None:
-            return self._drop(job)
-        size, shift = self.geometry.page_size, 0 if job.namespace is None else 1
-        tokens = self._tokens(job)
-        count = job.last - job.first
-        seq = self._seq_id("save")
-        try:
-            if store.lookup(tokens) >= len(tokens):
-                self._count("pages_already_held", count)
-                return None
-            have = store.create(seq, tokens=tokens) // size
-            if shift and have == 0:
-                zeros = np.zeros((self.geometry.layers, size, *self.geometry.token_shape), self.geometry.np_dtype)
-                store.append(seq, zeros, zeros, tokens=tokens[:size])
-                have = 1
-            start = have - shift - job.first  # staged pages the store holds already
-            if start < 0:  # the pages before this job are gone: the chain cannot be continued
-                return self._drop(job)
-            if start < count:
-                geom = self.geometry
-                k = staged.k[:, start:].reshape(geom.layers, -1, *geom.token_shape)
-                v = staged.v[:, start:].reshape(geom.layers, -1, *geom.token_shape)
-                store.append(seq, k, v, tokens=tokens[(have) * size:])
-            self._count("pages_saved", count - start)
-            self._count("pages_already_held", start)
-        except StoreFull:
-            self._drop(job)
-        except PagedKVError as exc:
-            self._count("store_errors")
-            log.warning("pagedkv: save of %s failed: %s", job.req_id, exc)
-            self._drop(job)
-        finally:
-            try:
-                store.drop(seq)
-            except PagedKVError:
-                pass
-        return None
-
-    def _commit(self) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.commit()
-            self._count("commits")
-        except PagedKVError as exc:
-            self._count("store_errors")
-            log.warning("pagedkv: commit failed: %s", exc)
 
     # -- reporting ---------------------------------------------------------------
     def finished_sending(self, finished_req_ids: set[str]) -> set[str] | None:
@@ -364,12 +257,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Land every queued save, commit, and close the store (idempotent)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            with self._cond:
-                self._stopping = True
-                self._cond.notify_all()
-            thread.join()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop()
         store, self.store = self.store, None
         if store is not None:
             try:
