@@ -4,10 +4,15 @@ A batch is planned first (records to write, directory placements to update,
 cache-only pages to drop), checked against ``spill_limit_bytes``, then written in
 one LMDB transaction; slots are freed only after it commits, so the committed
 directory never points at a slot that was reused.
+
+Dropping cache-only pages on their own (``KVStore.clear_cache``, a lowered cap at
+open) plans the same deletions as the cap does (``_drop``) and commits them in a
+transaction of their own.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +25,8 @@ from .spillcodecs import CODECS
 
 if TYPE_CHECKING:
     from .manager import BlockManager
+
+log = logging.getLogger(__name__)
 
 
 class _Plan:
@@ -111,15 +118,22 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
         mgr.c_csum[pid] = csum
     for pid, codec in plan.codecs.items():
         mgr.codec[pid] = codec
-    for pid in plan.dropped:
-        mgr.forget(pid)
-    mgr.stats.add("cache_drops", len(plan.dropped))
+    _forget_dropped(mgr, plan)
     mgr.evict_epoch += 1
     mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
     mgr.stats.add("evictions", len(victims))
     mgr.stats.add("evict_batches")
     mgr.stats.add("bytes_spilled", plan.added)
+    log.debug("evicted %d pages in one transaction: %d record bytes written, %d deleted, "
+              "%d cache pages dropped", len(victims), plan.added, plan.removed, len(plan.dropped))
     return len(victims)
+
+
+def _forget_dropped(mgr: BlockManager, plan: _Plan) -> None:
+    """After the transaction that deleted them: the dropped cache pages leave memory."""
+    for pid in plan.dropped:
+        mgr.forget(pid)
+    mgr.stats.add("cache_drops", len(plan.dropped))
 
 
 def _settle(mgr: BlockManager, spilled: list[tuple[int, int, int]]) -> None:
@@ -276,3 +290,106 @@ def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
     plan.deletes.append((mgr.spill.tokens, key))
     plan.dropped.append(pid)
     return freed
+
+
+def drop_cache(mgr: BlockManager, max_bytes: int | None) -> dict[str, int]:
+    """Drop least recently used cache-only pages until their records take at most ``max_bytes``.
+
+    ``KVStore.clear_cache``. The candidates are ``droppable()`` pages, resident
+    or spilled, oldest first; every page older than the last one that must go
+    goes too (what stays is the most recently used part of the cache). None
+    drops them all. One LMDB transaction deletes their records, directory
+    entries and token ids (``_drop``, as the spill cap does), with any
+    uncommitted records already doomed; nothing else is committed by it.
+    Returns ``{"pages", "bytes", "slots"}``: pages dropped, record bytes freed,
+    pool slots freed.
+    """
+    order = _oldest_first(mgr, mgr.droppable())
+    if max_bytes is not None:
+        excess = cache_bytes(mgr) - max_bytes
+        order = order[:_cut(mgr, order, excess)]
+    return _drop_now(mgr, order, "clear cache")
+
+
+def enforce_cap_at_open(mgr: BlockManager) -> dict[str, int]:
+    """Bring a store whose records exceed a (lowered) ``spill_limit_bytes`` under it at once.
+
+    Spilled cache-only pages go, oldest first, until the records fit; resident
+    ones hold no record and stay. If only pages of live sequences remain above
+    the cap, that is logged and the cap applies from the next eviction on.
+    """
+    limit = mgr.spill_limit
+    if limit is None or mgr.spill_bytes <= limit:
+        return {"pages": 0, "bytes": 0, "slots": 0}
+    spilled = mgr.droppable()
+    spilled = spilled[mgr.slot[spilled] < 0]
+    order = _oldest_first(mgr, spilled)
+    doomed = sum(nbytes for _, nbytes in mgr.doomed)  # deleted by the same transaction
+    order = order[:_cut(mgr, order, mgr.spill_bytes - doomed - limit)]
+    before = mgr.spill_bytes
+    dropped = _drop_now(mgr, order, "enforce spill cap")
+    if dropped["pages"]:
+        log.info("spill_limit_bytes=%d: dropped %d cache-only pages (%d record bytes) at open; "
+                 "%d bytes of records were stored", limit, dropped["pages"], dropped["bytes"], before)
+    if mgr.spill_bytes > limit:
+        log.warning("spill_limit_bytes=%d: %d bytes of records remain, all of pages of live (or "
+                    "committed) sequences; the cap applies from the next eviction on",
+                    limit, mgr.spill_bytes)
+    return dropped
+
+
+def cache_bytes(mgr: BlockManager) -> int:
+    """Record bytes of cache-only pages (refcount 0), droppable or not."""
+    from .manager import REC_NONE
+
+    rows = np.flatnonzero(mgr.live & (mgr.ref == 0) & (mgr.rec != REC_NONE))
+    return int(mgr.rec_bytes[rows].sum())
+
+
+def _oldest_first(mgr: BlockManager, pids: np.ndarray) -> list[int]:
+    return sorted(pids.tolist(), key=mgr.last_use)
+
+
+def _cut(mgr: BlockManager, order: list[int], excess: int) -> int:
+    """How many of ``order`` must go for their records to free ``excess`` bytes (all, if they cannot)."""
+    from .manager import REC_NONE
+
+    freed = 0
+    for count, pid in enumerate(order):
+        if freed >= excess:
+            return count
+        if mgr.rec[pid] != REC_NONE:
+            freed += int(mgr.rec_bytes[pid])
+    return len(order)
+
+
+def _drop_now(mgr: BlockManager, pids: list[int], what: str) -> dict[str, int]:
+    """Forget cache-only pages ``pids`` in one transaction of their own (see ``drop_cache``)."""
+    if mgr.wait_background is not None:
+        mgr.wait_background()
+    if not pids and not mgr.doomed:
+        return {"pages": 0, "bytes": 0, "slots": 0}
+    plan = _Plan()
+    freed = sum(_drop(mgr, plan, pid) for pid in pids)
+    slots = int(np.count_nonzero(mgr.slot[np.asarray(pids, np.int64)] >= 0)) if pids else 0
+    for uid, nbytes in mgr.doomed:
+        plan.deletes.append((mgr.spill.pages, uid_key(uid)))
+    doomed, mgr.doomed = mgr.doomed, []
+
+    def body(txn: Any) -> None:
+        for db, key in plan.deletes:
+            txn.delete(key, db=db)
+
+    try:
+        mgr.spill.write(body, what)
+    except BaseException:
+        mgr.doomed = doomed + mgr.doomed
+        raise
+    _forget_dropped(mgr, plan)
+    mgr.spill_bytes -= sum(nbytes for _, nbytes in doomed)
+    if slots:
+        mgr.evict_epoch += 1
+    if pids:
+        log.debug("%s: dropped %d cache-only pages, %d record bytes, %d pool slots", what, len(pids),
+                  freed, slots)
+    return {"pages": len(pids), "bytes": freed, "slots": slots}

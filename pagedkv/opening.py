@@ -82,7 +82,10 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
             mixed into every prefix hash; reopening with another one is ``ModelMismatch``
             unless ``allow_model_change`` (then the store adopts it: old prefixes never match).
         spill_limit_bytes: cap on the bytes of spilled page records; least recently used
-            cache-only pages are dropped to stay under it, else ``StoreFull``.
+            cache-only pages are dropped to stay under it, else ``StoreFull``. A writer
+            opening a store that holds more drops its oldest spilled cache-only pages at
+            once (committed); if live sequences alone exceed it, a warning is logged and
+            the cap applies from the next eviction.
         spill_codec: how pages are encoded when spilled: "raw" (bit-exact), "int8"
             (lossy: within half a quantisation step), or "zstd" (lossless, smaller).
         write_behind: spill in a background thread ahead of need, so appends and steps
@@ -146,7 +149,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     lock_path = os.path.join(path, LOCK_FILE)
     if wipe and not recreate and lock_holder(lock_path) is None:
         _refuse_erasing(path)  # before the lock, so that a refusal leaves every byte (LOCK too)
-    lock = WriterLock(lock_path, lock_timeout)
+    # Without a timeout, the one-argument call that stand-ins for the lock (tests) expect.
+    lock = WriterLock(lock_path, lock_timeout) if lock_timeout else WriterLock(lock_path)
     faults.crashpoint("open.after_lock")
     try:
         if wipe:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -12,6 +12,14 @@ COUNTERS = (
     "pages_allocated", "cow_copies", "cache_drops", "prefix_queries", "prefix_query_tokens",
     "prefix_hit_tokens", "prefix_hit_pages", "prefetch_restores", "background_evictions",
 )
+
+
+class CacheDrop(TypedDict):
+    """What ``KVStore.clear_cache`` dropped."""
+
+    pages: int  # cache-only pages dropped
+    bytes: int  # bytes of their spill records, deleted from LMDB
+    slots: int  # pool slots their resident pages held, now free
 
 
 class Stats:
@@ -50,6 +58,7 @@ class Stats:
 
 def store_stats(store: Any) -> dict[str, float]:
     """``KVStore.stats()``: counters, restore latency (ms), pool occupancy, per-codec spill figures."""
+    from .evict import cache_bytes
     from .spillcodecs import CODECS
 
     mgr = store._mgr
@@ -64,6 +73,7 @@ def store_stats(store: Any) -> dict[str, float]:
         tokens=sum(seq.length for seq in store._seqs.values()),
         shared_pages=int(np.count_nonzero(mgr.live & (mgr.ref > 1))),
         cached_pages=int(np.count_nonzero(mgr.live & (mgr.ref == 0))),
+        cached_bytes=cache_bytes(mgr),
         spill_bytes=mgr.spill_bytes,
         prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
                          if out["prefix_query_tokens"] else 0.0),

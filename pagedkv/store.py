@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping
 import lmdb
 import numpy as np
 
-from . import datapath, faults, persist, step as step_mod
+from . import datapath, evict, faults, persist, step as step_mod
 from .check import Problem, check_store
 from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt)
@@ -23,7 +23,7 @@ from .writebehind import WriteBehind
 from .prefix import as_token_ids, make_salt, share_prefix
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
-from .stats import Stats, store_stats
+from .stats import CacheDrop, Stats, store_stats
 from .step import Step
 from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
 
@@ -67,6 +67,8 @@ class KVStore:
         self._pid = os.getpid()
         tables, self._state, self._damage = self._load(writer=not readonly)
         self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
+        if not readonly and options.spill_limit is not None:
+            evict.enforce_cap_at_open(self._mgr)  # a lowered cap holds from the open on
         if self._write_behind is not None:
             self._write_behind.attach()
 
@@ -402,6 +404,37 @@ class KVStore:
         """Flush every pool slot and sync LMDB: nosync commits skipped both."""
         self._pool_file.flush_slots(np.arange(self.pool_pages))
         self._spill.sync()
+
+    @_op(write=True)
+    def clear_cache(self, max_bytes: int | None = None) -> CacheDrop:
+        """Drop least recently used cache-only pages until their spilled records take at most ``max_bytes``.
+
+        Cache-only pages are the hashed pages kept for prefix reuse after their
+        sequences went: refcount 0, referenced by no live or committed sequence,
+        pinned by no step. They go oldest first, resident ones included (their
+        slots are freed), and every one older than the last that must go goes
+        too, so what stays is the most recently used part of the cache. The drop
+        is committed at once, in one LMDB transaction of its own (records,
+        directory entries and token ids); nothing else uncommitted is. Prompts
+        whose pages went miss in ``lookup`` and ``create(tokens=...)`` from now on.
+
+        Params:
+            max_bytes: the bytes of spill records the cache may keep; None drops
+                every cache-only page.
+        Returns:
+            ``{"pages": dropped, "bytes": record bytes freed, "slots": pool slots freed}``.
+        Raises:
+            PagedKVError (``max_bytes`` is not None or an int >= 0), ReadOnlyStore,
+            StoreFull or StoreIOError (the transaction failed; the handle is poisoned).
+        """
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer))
+                                      or max_bytes < 0):
+            raise PagedKVError(f"max_bytes must be None or an int >= 0, got {max_bytes!r}")
+        dropped = evict.drop_cache(self._mgr, None if max_bytes is None else int(max_bytes))
+        if dropped["pages"]:
+            evict.log.info("clear_cache(max_bytes=%s): dropped %d cache-only pages, %d record bytes, "
+                           "%d pool slots", max_bytes, dropped["pages"], dropped["bytes"], dropped["slots"])
+        return CacheDrop(pages=dropped["pages"], bytes=dropped["bytes"], slots=dropped["slots"])
 
     @_op(write=False)
     def prefetch(self, seq_ids: Iterable[SeqId]) -> Prefetch:
