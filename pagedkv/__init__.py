@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from .errors import (FormatVersionError, GeometryMismatch, ModelMismatch, PageCorrupt, PagedKVError, PoolExhausted,
                      ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
@@ -12,6 +14,9 @@ from .step import Step
 from .store import KVStore
 
 __version__ = "0.1.0"
+
+# Silent unless the application configures logging: the library's records go nowhere by default.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",

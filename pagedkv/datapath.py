@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from .store import KVStore
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def check_kv(geom: Geometry, k: Any, v: Any) -> int:
@@ -168,11 +170,13 @@ def serve(store: KVStore, seq: Sequence, fetch: Callable[[Sequence], T],
     for attempt in range(5):
         try:
             return fetch(seq)
-        except PageCorrupt:
+        except PageCorrupt as exc:
             # Beside a live writer a read-only snapshot goes stale as slots are
             # reused; committed tokens never change, so a fresh snapshot serves them.
             if not store.readonly or attempt == 4 or \
                     lock_holder(os.path.join(store.path, "LOCK")) is None:
+                if store.readonly:  # a writer's handle said so where it found the damage
+                    log.warning("%s (read-only handle): %s", store.path, exc)
                 raise
             store._refresh()
             seq = store._seq(seq.seq_id)

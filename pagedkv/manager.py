@@ -10,6 +10,7 @@ overwritten before a commit has moved them (see ``persist.py`` for the commit).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
@@ -26,6 +27,8 @@ from .prefix import PrefixIndex
 from .restore import restore
 from .spill import SpillStore, uid_key
 from .stats import Stats
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlockManager", "CODEC_SHIFT", "HAS_TOKENS", "HASHED", "NOWHERE", "REC_CURRENT",
            "REC_NONE", "REC_STALE", "SPILLED"]
@@ -221,8 +224,15 @@ class BlockManager(Directory):
         if nmissing:
             held = slots[~missing]
             np.add.at(self.pins, held, 1)
+            wanted = np.unique(pids[missing])
+            known = self.corrupt[wanted].copy()
             try:
-                restore(self, np.unique(pids[missing]))
+                restore(self, wanted)
+            except PageCorrupt:
+                for pid in wanted[self.corrupt[wanted] & ~known].tolist():  # said once per page
+                    log.warning("page %d: its spill record fails its checksum (or is missing); the page "
+                                "is unreadable until it is rewritten", int(self.uid[pid]))
+                raise
             finally:
                 np.subtract.at(self.pins, held, 1)
             slots = self.slot[pids]
@@ -314,6 +324,7 @@ class BlockManager(Directory):
         if actual != int(self.csum[pid]):
             self.corrupt[pid] = True
             self.stats.add("misses")
+            log.warning("page %d: pool slot %d fails its checksum", int(self.uid[pid]), int(self.slot[pid]))
             raise PageCorrupt(f"page {int(self.uid[pid])}: pool slot {int(self.slot[pid])} "
                               "fails its checksum", int(self.uid[pid]))
         self.verified[pid] = True
@@ -349,6 +360,8 @@ class BlockManager(Directory):
             if fill and page_checksum(self.pool[self.slot[pid]], fill, uid, self.seed) != int(self.c_csum[pid]):
                 self.corrupt[pid] = True
                 self.stats.add("misses")
+                log.warning("page %d: pool slot %d no longer holds its committed bytes (a checksum "
+                            "failure: written outside its step?)", uid, int(self.slot[pid]))
                 raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} no longer holds its "
                                   "committed bytes (written outside its step?)", uid)
 

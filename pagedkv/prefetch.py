@@ -8,6 +8,7 @@ A step that needs a page still in flight simply restores it itself.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
-from .errors import PoolExhausted
+from .errors import PageCorrupt, PoolExhausted
 from .manager import REC_CURRENT
 from .sequence import SeqId
 from .restore import fetch_record
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .store import KVStore
 
 _CHUNK = 16  # pages fetched per read transaction between two takes of the lock
+log = logging.getLogger(__name__)
 
 
 class Prefetch:
@@ -74,6 +76,10 @@ class Prefetcher:
                 self._prefetch(job)
             except BaseException as exc:  # reported through the handle, never lost in a thread
                 job.error = exc
+                if isinstance(exc, PageCorrupt):  # a step reading the page raises it again
+                    log.warning("prefetch of %s stopped: %s", job.seq_ids, exc)
+                else:
+                    log.error("prefetch of %s failed", job.seq_ids, exc_info=exc)
             finally:
                 job._done.set()
 

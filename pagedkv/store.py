@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -28,6 +29,8 @@ from .step import Step
 from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
 
 __all__ = ["KVStore", "StoreOptions", "DURABILITY"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -77,13 +80,28 @@ class KVStore:
         sealed = self.superblock["format"] >= persist.SEALED_FORMAT
         try:
             loaded = persist.load(self._mgr, writer=writer, sealed=sealed)
+            if writer:
+                self._log_recovery()
             if writer and not sealed:
                 persist.upgrade(self._mgr, self.superblock)
+                log.info("%s: upgraded from format 1: its metadata was rewritten sealed (format %d), "
+                         "in one transaction", self.path, self.superblock["format"])
             return loaded
         except lmdb.Error as exc:
             raise lmdb_error(exc, f"cannot load {self.path}") from None
         except (struct.error, ValueError, OverflowError) as exc:  # hostile bytes in metadata
             raise StoreCorrupt(f"{self.path}: metadata is malformed ({exc})") from None
+
+    def _log_recovery(self) -> None:
+        """Say what a writer's open found left over by an interrupted writer (collected from now on)."""
+        mgr = self._mgr
+        if mgr.doomed:
+            log.info("%s: %d stray spill records (%d bytes), left by a writer that stopped before "
+                     "committing, are deleted by the next write", self.path, len(mgr.doomed),
+                     sum(nbytes for _, nbytes in mgr.doomed))
+        if mgr.zombies:
+            log.info("%s: %d committed pages no sequence references are collected at the next commit",
+                     self.path, len(mgr.zombies))
 
     def _new_manager(self) -> BlockManager:
         pool, options, superblock = self._pool_file, self._options, self.superblock

@@ -16,6 +16,7 @@ is never overwritten with older placement.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ from .spillcodecs import CODECS
 
 if TYPE_CHECKING:
     from .store import KVStore
+
+log = logging.getLogger(__name__)
 
 
 class WriteBehind:
@@ -84,6 +87,8 @@ class WriteBehind:
             if error is not None:  # poisoned like a failed foreground write
                 self.error = error
                 self._store._poisoned = f"write-behind: {error}"
+                log.error("%s: a write-behind batch failed (%s); the handle is poisoned, the last "
+                          "commit is intact", self._store.path, error)
         else:
             self._apply(victims, written)
         self.in_flight = False
@@ -105,6 +110,8 @@ class WriteBehind:
                 while not self._stop and self._batch():
                     pass
             except BaseException as exc:  # an I/O failure poisons the handle, as in the foreground
+                if exc is not self.error:  # a failed batch was logged as it landed
+                    log.error("%s: the write-behind thread failed", self._store.path, exc_info=exc)
                 self.error = exc
                 with self._store._lock:
                     self._store._poisoned = f"write-behind: {exc}"
