@@ -34,7 +34,8 @@ from typing import Any, Callable
 import pytest
 
 import pagedkv
-from vllmkit import PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child, start_child, wait_for_line
+from vllmkit import (PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child, start_child,
+                     wait_for_line, wait_serving)
 from support import get_seed
 
 pytestmark = [
@@ -296,17 +297,22 @@ def test_the_openai_server_takes_the_same_arguments(engines: Engines, world: dic
                    "--kv-transfer-config", json.dumps(config)]
         proc = subprocess.Popen(command, env=child_env(), cwd=str(engines.root), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        log = engines.root / "serve.log"
         try:
-            wait_for_line(proc, "Application startup complete")
-            drain(proc)
+            log.write_text("".join(wait_for_line(proc, "Application startup complete")))
+            drain(proc, str(log))
+            wait_serving(proc, port)
             request = world["plain"][1]
             body = json.dumps({"model": world["model"], "prompt": request["prompt"], "temperature": 0,
                                "max_tokens": request["max_tokens"], "return_token_ids": True,
                                "ignore_eos": True}).encode()
             post = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                           headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(post, timeout=120) as response:
-                answer = json.loads(response.read())
+            try:
+                with urllib.request.urlopen(post, timeout=120) as response:
+                    answer = json.loads(response.read())
+            except OSError as exc:
+                raise AssertionError(f"request to the server failed ({exc}):\n{log.read_text()[-6000:]}") from None
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,10 +99,42 @@ def wait_for_line(proc: subprocess.Popen[str], marker: str) -> list[str]:
     raise AssertionError(f"child ended (exit {proc.wait()}) before {marker!r}:\n{''.join(seen)[-6000:]}")
 
 
-def drain(proc: subprocess.Popen[str]) -> None:
-    """Keep reading the child's output in a thread, so a full pipe never blocks it."""
+def drain(proc: subprocess.Popen[str], log_path: str) -> threading.Thread:
+    """Keep copying the child's output to ``log_path`` in a thread, so a full pipe never blocks it."""
     assert proc.stdout is not None
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    source = proc.stdout
+
+    def copy() -> None:
+        with open(log_path, "a") as log:
+            for line in source:
+                log.write(line)
+                log.flush()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_serving(proc: subprocess.Popen[str], port: int, limit_s: float = 120.0) -> None:
+    """Until the child accepts connections on ``port`` (AssertionError if it exits or ``limit_s`` passes).
+
+    uvicorn logs "Application startup complete" just before it starts listening,
+    and logs nothing after; the only sign of a listening socket is a connection
+    that succeeds. Between attempts the wait is on the process, so a child that
+    dies ends the wait at once.
+    """
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except OSError:
+            try:
+                code = proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            raise AssertionError(f"server exited ({code}) before listening on port {port}")
+    raise AssertionError(f"server not listening on port {port} after {limit_s} s")
 
 
 def full_pages_hit(prompt: list[int]) -> int:

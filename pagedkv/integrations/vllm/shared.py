@@ -18,10 +18,10 @@ from ...store import KVStore
 
 __all__ = ["log", "register_worker_store", "live_worker_store"]
 
-try:  # vLLM's logger, so the connector's lines appear with vLLM's own
+try:  # under vLLM's logger, so its handler and level (VLLM_LOGGING_LEVEL) apply to these lines too
     from vllm.logger import init_logger
 
-    log = init_logger("pagedkv.integrations.vllm")
+    log = init_logger("vllm.pagedkv")
 except Exception:  # pragma: no cover - vLLM is what imports this package
     log = logging.getLogger("pagedkv.integrations.vllm")
 
