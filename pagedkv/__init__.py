@@ -10,6 +10,8 @@ from .errors import (FormatVersionError, GeometryMismatch, ModelMismatch, PageCo
 from .check import Problem
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
+from .prefetch import Prefetch
+from .stats import CacheDrop, StoreStats
 from .step import Step
 from .store import KVStore
 
@@ -22,5 +24,5 @@ __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
     "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
-    "FormatVersionError", "Problem", "__version__",
+    "FormatVersionError", "Problem", "Prefetch", "StoreStats", "CacheDrop", "__version__",
 ]

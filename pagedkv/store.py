@@ -24,7 +24,7 @@ from .writebehind import WriteBehind
 from .prefix import as_token_ids, make_salt, share_prefix
 from .sequence import SeqId, Sequence, seq_key
 from .spill import SpillStore, lmdb_error
-from .stats import CacheDrop, Stats, store_stats
+from .stats import CacheDrop, Stats, StoreStats, store_stats
 from .step import Step
 from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
 
@@ -539,8 +539,13 @@ class KVStore:
 
     # -- observability -------------------------------------------------------
     @_op(write=False)
-    def stats(self) -> dict[str, float]:
-        """A flat dict of counters, restore latency (ms), pool occupancy and per-codec spill figures."""
+    def stats(self) -> StoreStats:
+        """A flat dict of counters, restore latency (ms), pool occupancy and per-codec spill figures.
+
+        Returns:
+            a ``pagedkv.StoreStats``: every count an ``int``, latencies (ms) and
+            ratios ``float``; counters cover this handle's life.
+        """
         return store_stats(self)
 
     @_op(write=False)
