@@ -294,6 +294,19 @@ def test_both_sides_without_an_engine(tmp_path: Path) -> None:
     worker.flush()
     assert worker.store is not None and worker.store.lookup(tokens) == 12
 
+    # The request ends with a page its last steps filled but no plan saved yet: its blocks
+    # wait (delayed free) until that page is copied out, then vLLM may free them.
+    longer = tokens + rng.integers(0, 1000, 6).tolist()
+    first.all_token_ids, first.num_computed_tokens = longer, 19
+    assert scheduler.finished(first, [5, 6, 7, 8]) is True
+    plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None))
+    assert [(job.first, job.last, job.block_ids, job.finished) for job in plan.saves] == [(3, 4, [8], True)]
+    worker.save(plan)
+    assert worker.finished_sending({"r"}) == {"r"}
+    worker.flush()
+    assert worker.store.lookup(longer) == 16
+    assert scheduler.finished(_request("never-scheduled", tokens), [1]) is False
+
     # A new request of the same prompt: 12 tokens held, loaded into blocks 10, 11, 12.
     second = _request("q", tokens)
     assert scheduler.matched_tokens(second, 0) == 12
@@ -331,6 +344,7 @@ def test_both_sides_without_an_engine(tmp_path: Path) -> None:
     assert scheduler.matched_tokens(_request("g2", ghost), 0) == 8
     stats = worker.take_stats()
     assert stats is not None and stats.data["pages_loaded"] == 4 and stats.data["load_errors"] == 1
+    assert stats.data["pages_saved"] == 3 + 1 + 3  # r, r at its end, the salted request (its namespace page aside)
     worker.shutdown()
 
 

@@ -5,7 +5,7 @@ multiprocessing (bool), max_num_batched_tokens, batches (lists of requests:
 prompt token ids, max_tokens, optional cache_salt; or chat_from [batch, request] plus
 extend: that earlier request's prompt and answer, then more tokens), perturb (test only: add noise
 to every page loaded from the store, so a test can see the check fail),
-hold (print "CHILD READY" once the first batch is committed, then run the second
+async_scheduling (schedule the next step while one runs), hold (print "CHILD READY" once the first batch is committed, then run the second
 batch forever: for SIGKILL tests). OUT gets, per batch, each request's output
 token ids and num_cached_tokens, plus the connector's log lines.
 """
@@ -55,7 +55,8 @@ def main() -> None:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", block_size=32,
               max_model_len=1024, enforce_eager=True, seed=0, gpu_memory_utilization=0.5,
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 128), max_num_seqs=8,
-              disable_log_stats=False, **kwargs)
+              disable_log_stats=False, **({"async_scheduling": True} if spec.get("async_scheduling") else {}),
+              **kwargs)
     results = []
     for index, batch in enumerate(spec["batches"]):
         for request in batch:
@@ -78,7 +79,8 @@ def main() -> None:
         if spec.get("hold") and index == 0:
             _flush_store()
     llm.llm_engine.do_log_stats()
-    json.dump({"batches": results}, open(sys.argv[2], "w"))
+    scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    json.dump({"batches": results, "async_scheduling": bool(scheduling)}, open(sys.argv[2], "w"))
     print("CHILD DONE", flush=True)
 
 
