@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from .errors import (FormatVersionError, GeometryMismatch, ModelMismatch, PageCorrupt, PagedKVError, PoolExhausted,
-                     ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
-                     StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
+from .errors import (FormatVersionError, GeometryMismatch, MissingDependency, ModelMismatch, PageCorrupt,
+                     PagedKVError, PoolExhausted, ReadOnlyStore, SequenceBusy, SequenceExists,
+                     SequenceNotFound, StoreClosed, StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
 from .check import Problem
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
@@ -24,5 +24,5 @@ __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
     "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
-    "FormatVersionError", "Problem", "Prefetch", "StoreStats", "CacheDrop", "__version__",
+    "FormatVersionError", "MissingDependency", "Problem", "Prefetch", "StoreStats", "CacheDrop", "__version__",
 ]

@@ -68,3 +68,7 @@ class ReadOnlyStore(PagedKVError):
 
 class FormatVersionError(PagedKVError):
     """The store was written by a newer format version than this reader knows."""
+
+
+class MissingDependency(PagedKVError, ImportError):
+    """An optional feature needs a package that is not installed (the message says which extra)."""
