@@ -17,7 +17,7 @@ measured in this process, interleaved (A B A B), median of ``--pairs`` pairs:
   block hashing of the same prompt (``get_request_block_hasher``, sha256).
 
     python tools/bench_vllm.py             # the defaults above, 7 pairs
-    python tools/bench_vllm.py --json --pairs 5 --tokens 1024
+    python tools/bench_vllm.py --json --pairs 5 --tokens 1024   # JSON on the last line
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "vllm_block_hash_us_per_request": round(med(vllm_hashes) * 1e6, 1),
         "lookup_ratio_to_vllm_hashing": round(med(looks) / med(vllm_hashes), 3),
     }
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if args.json:  # one line, the last: vLLM logs to stdout too
+        print(json.dumps(result), flush=True)
     else:
         for key, value in result.items():
             print(f"{key:32} {value}")
