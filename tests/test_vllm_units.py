@@ -118,6 +118,7 @@ def test_config_parses_known_keys_and_refuses_others() -> None:
                                          "write_behind": True, "spill_limit_bytes": None})
     assert config.path == os.path.expanduser("~/kv.store")
     assert config.open_kwargs(GEOM) == {"pool_pages": 64, "durability": "nosync", "write_behind": True}
+    assert "pool_pages" not in ConnectorConfig.from_extra({"path": "x"}).open_kwargs(GEOM, creating=False)
     assert ConnectorConfig.from_extra({"path": "x"}).open_kwargs(GEOM)["pool_pages"] == (1 << 30) // GEOM.page_nbytes
     with pytest.raises(PagedKVError, match="unknown kv_connector_extra_config key.*pool_page"):
         ConnectorConfig.from_extra({"path": "x", "pool_page": 3})

@@ -89,10 +89,15 @@ class ConnectorConfig:
         opts = tuple(sorted((key, extra[key]) for key in OPEN_KEYS if extra.get(key) is not None))
         return cls(open_options=opts, **own)
 
-    def open_kwargs(self, geometry: Geometry) -> dict[str, Any]:
-        """Keywords for ``pagedkv.open`` besides path, geometry and model."""
+    def open_kwargs(self, geometry: Geometry, creating: bool = True) -> dict[str, Any]:
+        """Keywords for ``pagedkv.open`` besides path, geometry and model.
+
+        ``pool_pages`` defaults to ``pool_bytes`` worth of pages when the store is
+        created; an existing store keeps its own unless the key is given.
+        """
         kwargs = dict(self.open_options)
-        kwargs.setdefault("pool_pages", max(16, self.pool_bytes // geometry.page_nbytes))
+        if creating:
+            kwargs.setdefault("pool_pages", max(16, self.pool_bytes // geometry.page_nbytes))
         return kwargs
 
 

@@ -2,8 +2,8 @@
 
 Loads run before the forward pass: for each planned job a short-lived sequence
 is created with the job's token ids (sharing the store's cached pages, no copy),
-its pages are read in pool layout and copied into the blocks vLLM allocated, and
-the sequence is dropped. Pages that are gone, or fail their checksum, become
+its pages are copied from the store's pool straight into the blocks vLLM
+allocated (``KVStore.each_page``), and the sequence is dropped. Pages that are gone, or fail their checksum, become
 load errors: vLLM recomputes from the first of them.
 
 Saves are split so that a step never waits on disk: after the forward pass the
@@ -27,7 +27,8 @@ import numpy as np
 
 from ...errors import PageCorrupt, PagedKVError
 from ...geometry import Geometry
-from ...opening import open_store
+from ... import open as pagedkv_open
+from ...opening import is_store
 from ...store import KVStore
 from .config import ConnectorConfig
 from .layouts import LayerCaches
@@ -67,9 +68,14 @@ class WorkerSide:
         self._sending: set[str] = set()  # finished requests whose last save is staged
         self._writer: SaveWriter | None = None
         try:
-            self.store = open_store(config.path, geometry, model=fingerprint, **config.open_kwargs(geometry))
+            creating = not is_store(config.path)
+            self.store = pagedkv_open(config.path, geometry, model=fingerprint,
+                                      **config.open_kwargs(geometry, creating))
             self._drop_leftovers()
         except PagedKVError as exc:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
             self._disable(f"cannot open the store at {config.path}: {exc}")
             return
         register_worker_store(config.path, self.store)
