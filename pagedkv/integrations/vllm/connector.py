@@ -30,8 +30,9 @@ class PagedKVConnector(KVConnectorBase_V1):
     Load it out of tree with ``KVTransferConfig(kv_connector="PagedKVConnector",
     kv_connector_module_path="pagedkv.integrations.vllm", kv_role="kv_both",
     kv_connector_extra_config={"path": ...})``; see ``config.py`` for the other keys.
-    A store that cannot be opened or read, or that holds another model's KV,
-    disables the connector (logged, counted): vLLM then computes every token.
+    ``kv_role`` "kv_both" loads and saves, "kv_consumer" only loads, "kv_producer"
+    only saves. A store that cannot be opened or read, or that holds another
+    model's KV, disables the connector (logged, counted): vLLM then computes every token.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -49,7 +50,8 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, fingerprint, geometry.page_size)
+            self._scheduler = SchedulerSide(self.config, fingerprint, geometry.page_size,
+                                            load=bool(transfer.is_kv_consumer), save=bool(transfer.is_kv_producer))
         else:
             self._worker = WorkerSide(self.config, geometry, layer_names, fingerprint,
                                       int(kv_cache_config.num_blocks))

@@ -47,10 +47,13 @@ class SchedulerSide:
         config: the connector's settings.
         fingerprint: this engine's model fingerprint (compared with the store's).
         page_size: vLLM's block size (the store's page size).
+        load, save: whether to serve prompts from the store, and to save into it.
     """
 
-    def __init__(self, config: ConnectorConfig, fingerprint: str, page_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, fingerprint: str, page_size: int, load: bool = True,
+                 save: bool = True) -> None:
         self.config, self.page_size, self.fingerprint = config, page_size, fingerprint
+        self.load, self.save = load, save  # kv_role: kv_consumer only loads, kv_producer only saves
         self.stats = PagedKVStats()
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan()
@@ -114,7 +117,7 @@ class SchedulerSide:
         ns_ok = state.namespace is None or state.root in self.view
         state.held_pages = self.view.leading(digests) if ns_ok else 0
         state.local_tokens = num_computed_tokens
-        usable = min(state.held_pages, (request.num_prompt_tokens - 1) // size) * size
+        usable = min(state.held_pages, (request.num_prompt_tokens - 1) // size) * size if self.load else 0
         self.stats.add("lookup_us", (time.perf_counter() - started) * 1e6)
         return max(0, usable - num_computed_tokens)
 
@@ -139,7 +142,7 @@ class SchedulerSide:
 
     # -- saves -----------------------------------------------------------------
     def _save_job(self, state: _Request, target: int, block_ids: list[int], finished: bool) -> PageJob | None:
-        if target <= state.saved or self.view is None:
+        if target <= state.saved or self.view is None or not self.save:
             return None
         target = min(target, len(block_ids))
         if target <= state.saved:
