@@ -369,3 +369,28 @@ def test_a_store_that_cannot_be_opened_disables_both_sides(tmp_path: Path) -> No
     assert worker.load_errors() == {1, 2}
     worker.save(StepPlan(saves=[job]))
     worker.shutdown()
+
+
+def test_kv_role_consumer_loads_only_and_producer_saves_only(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from pagedkv.integrations.vllm.scheduler import SchedulerSide
+
+    rng = np.random.default_rng(get_seed("kv-role"))
+    tokens = rng.integers(0, 1000, 13)
+    path = tmp_path / "kv"
+    with pagedkv.open(path, GEOM, pool_pages=32, model="fp") as store:
+        _fill(store, "a", tokens, rng)
+    config = ConnectorConfig.from_extra({"path": str(path)})
+    state = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3, 4],))
+    output = SimpleNamespace(num_scheduled_tokens={"n": 13}, kv_connector_block_state=state)
+    producer = SchedulerSide(config, "fp", 4, load=False, save=True)
+    consumer = SchedulerSide(config, "fp", 4, load=True, save=False)
+    assert producer.matched_tokens(_request("r", tokens.tolist()), 0) == 0
+    assert consumer.matched_tokens(_request("r", tokens.tolist()), 0) == 12
+    fresh = rng.integers(0, 1000, 13).tolist()
+    for side, saves in ((producer, 3), (consumer, 0)):
+        request = _request("n", fresh)
+        side.matched_tokens(request, 0)
+        side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 0)
+        plan = side.build_plan(output)
+        assert sum(job.last - job.first for job in plan.saves) == saves
