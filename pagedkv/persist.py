@@ -7,6 +7,7 @@ transaction records directory, block tables, LRU stamps and counters together.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from typing import Any
 
@@ -30,7 +31,8 @@ from .spillcodecs import CODECS
 _DIR_DTYPE = DIR_DTYPE
 SEALED_FORMAT = 2  # the first format whose metadata records carry checksums
 _FLAG_BITS = HASHED | HAS_TOKENS | 3 << CODEC_SHIFT
-_META_KEYS = {b"superblock", b"state", b"lru"}
+_META_KEYS = {b"superblock", b"state", b"lru", b"counts"}
+_COUNTS = struct.Struct("<3Q")  # records in dir, seqs and tokens after the last write transaction
 _IDENT_DTYPE = np.dtype([("uid", "<u8"), ("fill", "<u4")])  # what page_checksum hashes first
 _GATHER_BYTES = 16 << 20  # partial-page bytes copied per checksum batch: bounded for big pages
 
@@ -267,6 +269,8 @@ def load(mgr: BlockManager, writer: bool,
     with spill.begin_read() as txn:
         state_raw = txn.get(b"state", db=spill.meta)
         stamps_raw = txn.get(b"lru", db=spill.meta)
+        counts_raw = txn.get(b"counts", db=spill.meta)
+        counts_raw = bytes(counts_raw) if counts_raw is not None else None
         state = _load_state(mgr, state_raw, damage)
         stamps = _load_stamps(mgr, stamps_raw, damage)
         keys, values = [], []
@@ -285,6 +289,7 @@ def load(mgr: BlockManager, writer: bool,
         damage.append(f"meta holds unknown records {sorted(meta_keys - _META_KEYS)}")
     if (keys or tables) and not {b"state", b"lru"} <= meta_keys:
         damage.append("the state or lru record of a committed store is missing")
+    _check_counts(mgr, counts_raw, (len(keys), len(tables), len(token_keys)), damage)
     if any(len(k) != 8 for k in record_sizes):
         damage.append("a spill record's key is not a page uid")
         record_sizes = {k: n for k, n in record_sizes.items() if len(k) == 8}
@@ -331,6 +336,7 @@ def load(mgr: BlockManager, writer: bool,
     _check_tokens(mgr, count, token_keys, token_values, damage)
     mgr.c_ref[:] = mgr.ref
     if writer:
+        spill.on_write = lambda txn: record_counts(mgr, txn)
         if damage:
             more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
             raise StoreCorrupt(f"{spill.path}: {damage[0]}{more}; nothing was changed "
@@ -342,16 +348,55 @@ def load(mgr: BlockManager, writer: bool,
     return seqs, state, damage
 
 
+def record_counts(mgr: BlockManager, txn: Any) -> None:
+    """Record how many directory entries, block tables and token lists the store holds now.
+
+    Runs inside every write transaction of a writer, so a record that vanishes
+    later (deleted by another program, or a page of the B-tree lost) is damage
+    at the next open rather than a sequence or a cached prefix silently gone.
+    """
+    spill = mgr.spill
+    counts = _COUNTS.pack(*(txn.stat(db)["entries"] for db in (spill.dir, spill.seqs, spill.tokens)))
+    txn.put(b"counts", seal(TAG_META, b"counts", counts, mgr.seed), db=spill.meta)
+
+
+def _check_counts(mgr: BlockManager, raw: bytes | None, found: tuple[int, int, int],
+                  damage: list[str]) -> None:
+    if not mgr.sealed or raw is None:
+        if mgr.sealed and any(found):
+            damage.append("the counts record of a store holding records is missing")
+        return
+    body = unseal(TAG_META, b"counts", raw, mgr.seed)
+    if body is None or len(body) != _COUNTS.size:
+        damage.append("counts record fails its checksum")
+        return
+    for name, want, have in zip(("directory entries", "block tables", "token lists"), _COUNTS.unpack(body),
+                                found):
+        if want != have:
+            damage.append(f"{have} {name} found, the last write left {want}")
+
+
 def _check_tokens(mgr: BlockManager, count: int, keys: list[bytes], values: list[bytes],
                   damage: list[str]) -> None:
-    """Every stored token list passes its checksum, and every page that says its ids are known has one."""
+    """Every stored token list passes its checksum and holds exactly its page's committed ids,
+    and every page that says its ids are known has them (token lists only grow, so an older
+    list put back is too short)."""
     if mgr.sealed and keys:
         for index in np.flatnonzero(~sealed_ok(TAG_TOKENS, keys, values, mgr.seed))[:20].tolist():
             damage.append(f"token ids under key {keys[index].hex()} fail their checksum")
-    with_ids = mgr.uid[:count][(mgr.flags[:count] & HAS_TOKENS) != 0]
-    stored = np.frombuffer(b"".join(k for k in keys if len(k) == 8), ">u8").astype(np.uint64)
+    has_ids = (mgr.flags[:count] & HAS_TOKENS) != 0
+    with_ids = mgr.uid[:count][has_ids]
+    sized = [index for index, key in enumerate(keys) if len(key) == 8]
+    stored = np.frombuffer(b"".join(keys[i] for i in sized), ">u8").astype(np.uint64)
     for uid in np.setdiff1d(with_ids, stored)[:20].tolist():
         damage.append(f"page {uid} records token ids but none are stored")
+    if mgr.sealed and count and len(stored):
+        pos = np.minimum(np.searchsorted(mgr.uid[:count], stored), count - 1)
+        mine = (mgr.uid[pos] == stored) & has_ids[pos]
+        lengths = np.array([(len(values[i]) - TRAILER) // 4 for i in sized], np.int64)
+        for index in np.flatnonzero(mine & (lengths != mgr.fill[pos]))[:20].tolist():
+            damage.append(f"page {int(stored[index])} holds {int(mgr.fill[pos[index]])} tokens "
+                          f"but {int(lengths[index])} stored token ids")
 
 
 def uid_keys(uids: np.ndarray) -> list[bytes]:

@@ -144,6 +144,8 @@ class SpillStore:
         self._readers = threading.Condition()  # guards _reading against map growth
         self._reading = 0
         self._writing = threading.Lock()  # one write transaction at a time across threads
+        # Called inside every write transaction before it commits (the writer's record counts).
+        self.on_write: Callable[[lmdb.Transaction], None] | None = None
         if create:
             make_private_dir(path)
         elif lookup(path) is None:
@@ -258,6 +260,8 @@ class SpillStore:
             try:
                 with self._writing, self.env.begin(write=True) as txn:
                     result = body(txn)
+                    if self.on_write is not None:
+                        self.on_write(txn)
                     faults.io("commit")
                     faults.crashpoint("lmdb.before_commit")
                 return result

@@ -286,3 +286,29 @@ def test_unsealed_records_in_a_sealed_store_are_damage(built, tmp_path: Path) ->
     (_, key, value), = [r for r in records(path) if r[0] == "seqs" and msgpack.unpackb(r[1]) == "a"]
     rewrite(path, "seqs", key, value[:-8])
     assert_refused_and_reported(path, model)
+
+
+def test_a_deleted_record_is_damage(built, tmp_path: Path) -> None:
+    """A block table, directory entry or token list deleted outright (no bit to fail) is still damage."""
+    path, model = built
+    chosen = {}
+    for db, key, _ in records(path):
+        if db in ("seqs", "dir", "tokens") and db not in chosen:
+            chosen[db] = key
+    assert set(chosen) == {"seqs", "dir", "tokens"}
+    for db, key in chosen.items():
+        work = tmp_path / f"work-{db}"
+        shutil.copytree(path, work)
+        rewrite(work, db, key, None, new_key=key)  # deleted, put back nowhere
+        problems = assert_refused_and_reported(work, model)
+        assert problems == ["refused"] or any("found, the last write left" in p for p in problems), problems
+
+
+def test_an_older_token_list_put_back_is_damage(built) -> None:
+    """Token lists only grow: a shorter one (validly sealed, from an earlier commit) is damage."""
+    path, model = built
+    with pagedkv.open(path, readonly=True) as store:
+        seed = store._mgr.seed
+    key, value = next((k, v) for db, k, v in records(path) if db == "tokens" and len(v) - 8 >= 8)
+    rewrite(path, "tokens", key, seal(b"tokens", key, value[:-8][:-4], seed))
+    assert any("stored token ids" in p for p in assert_refused_and_reported(path, model))
