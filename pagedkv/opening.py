@@ -153,6 +153,10 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     lock = WriterLock(lock_path, lock_timeout) if lock_timeout else WriterLock(lock_path)
     faults.crashpoint("open.after_lock")
     try:
+        # A compaction killed before its rename left its copy in spill/: under the lock it is abandoned.
+        from .compact import remove_leftovers  # noqa: PLC0415 - compact imports this module
+
+        remove_leftovers(path)
         if wipe:
             if not recreate:
                 _refuse_erasing(path)  # again: a writer may have committed before we locked
