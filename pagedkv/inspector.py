@@ -7,6 +7,7 @@ writes to the store.
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -16,23 +17,32 @@ from typing import Any
 import numpy as np
 
 from .cachereport import cached_mask, lifetime, prefix_cache, spill_codecs
-from .check import stray_records
+from .check import Problem, stray_problems
 from .codec import decode_record, page_checksum
-from .errors import PageCorrupt, PagedKVError
+from .errors import PageCorrupt, PagedKVError, SequenceNotFound
 from .manager import HASHED, REC_NONE
 from .sequence import SeqId, Sequence
-from .snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta, lmdb_readers
+from .snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta
 from .spill import uid_key
 from .restore import read_record
+
+MAP_WIDTH = 64  # cells per row of the pool map off a terminal (and in JSON)
+
+
+class PageNotFound(PagedKVError):
+    """No live page has the uid asked for."""
+
 
 MAP_LEGEND = {".": "free", "#": "resident (refcount 1)", "S": "shared (refcount > 1)", "P": "pinned",
               "c": "cached (refcount 0, kept for prefix reuse)",
               "o": "orphan (refcount 0, collected by the next writer)"}
 _MAP_CHARS = ".#SPco"  # index = slot state code
-# check() reports spill records that no directory entry names; after a crash these are
-# uncommitted evictions that the next writer open deletes, not damage.
-# Beside a live writer a slot may be reused after our metadata snapshot was taken.
-_LIVE_RACE = re.compile(r"^page \d+: pool slot \d+ fails its checksum$")
+# Beside a live writer a pool slot may be rewritten after the snapshot's commit:
+# a page that fails its pool checksum then is unverified, not damaged.
+_LIVE_RACE_KINDS = frozenset({"pool_checksum"})
+# The filesystem holding a store is "nearly full" below either bound (see README).
+DISK_LOW_FRACTION, DISK_LOW_BYTES = 0.10, 1 << 30
+_statvfs = os.statvfs  # a seam: tests stand in a filesystem that is nearly full
 
 
 def _iso(seconds: Any) -> str | None:
@@ -57,9 +67,11 @@ def summary(snap: Snapshot) -> dict[str, Any]:
             record_bytes += len(value)
     info = spill.info()
     meta = lmdb_meta(snap.path) or {}
-    readers = lmdb_readers(snap.path)
+    readers = snap.readers()
     state = store._state
     sb = store.superblock
+    disk = disk_usage(snap.path)
+    warnings = [disk_warning(snap.path, disk)] if disk["low"] else []
     return {
         "path": snap.path,
         "format_version": sb["format"],
@@ -110,8 +122,10 @@ def summary(snap: Snapshot) -> dict[str, Any]:
         },
         "writer": {"locked": snap.writer_pid is not None,
                    "pid": snap.writer_pid if snap.writer_pid and snap.writer_pid > 0 else None},
-        "snapshot": snap.copied,
+        "snapshot": snap.registered,
+        "disk": disk,
         "notes": list(snap.notes),
+        "warnings": warnings,
     }
 
 
@@ -146,10 +160,25 @@ def sequences(snap: Snapshot) -> list[dict[str, Any]]:
 
 
 def find_sequence(snap: Snapshot, text: str) -> Sequence:
-    """The sequence named ``text``: a str id, or else the int it spells."""
-    candidates: list[SeqId] = [text]
-    if re.fullmatch(r"[+-]?\d+", text.strip()):
+    """The sequence ``text`` names, read the way ``inspect --sequences`` shows ids.
+
+    * A quoted string (``'chat-1'``, ``"7"``, ``'caf\\xe9'``: a Python literal, as
+      shown) is that str id; if no sequence has it, the text as typed.
+    * A bare integer (``7``, ``-3``) is the int id 7, or, if there is none, the str
+      id ``"7"``: so ``7`` and ``'7'`` each select one sequence when both exist.
+    * Any other text is the str id exactly as typed.
+    """
+    candidates: list[SeqId] = []
+    if len(text) >= 2 and text[0] in "'\"" and text[-1] == text[0]:
+        try:
+            literal = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            literal = None
+        if isinstance(literal, str):
+            candidates.append(literal)
+    elif re.fullmatch(r"-?[0-9]+", text):
         candidates.append(int(text))
+    candidates.append(text)
     # Match on (type, value) over the loaded sequences rather than the store's own index,
     # so "7" never finds 7 by accident and the index's keying stays the library's business.
     by_id = {(type(seq.seq_id), seq.seq_id): seq for seq in snap.store._seqs.values()
@@ -158,7 +187,7 @@ def find_sequence(snap: Snapshot, text: str) -> Sequence:
         seq = by_id.get((type(candidate), candidate))
         if seq is not None:
             return seq
-    raise PagedKVError(f"no sequence {text!r} in {snap.path}")
+    raise SequenceNotFound(f"no sequence {text!r} in {snap.path}")
 
 
 def page_state(snap: Snapshot, pid: int, txn: Any) -> tuple[str, str | None]:
@@ -204,7 +233,7 @@ def _find_pid(snap: Snapshot, uid: int) -> int:
     mgr = snap.mgr
     hits = np.flatnonzero(mgr.live & (mgr.uid == np.uint64(uid)))
     if not len(hits):
-        raise PagedKVError(f"no page with uid {uid} in {snap.path}")
+        raise PageNotFound(f"no page with uid {uid} in {snap.path}")
     return int(hits[0])
 
 
@@ -255,7 +284,7 @@ def page_info(snap: Snapshot, uid: int) -> dict[str, Any]:
             "layers": layers}
 
 
-def pool_map(snap: Snapshot, width: int = 64, max_rows: int = 64) -> dict[str, Any]:
+def pool_map(snap: Snapshot, width: int = MAP_WIDTH, max_rows: int = 64) -> dict[str, Any]:
     """The pool as rows of characters, one per slot (or per group of slots in big pools)."""
     codes = _slot_codes(snap)
     slots = len(codes)
@@ -266,9 +295,9 @@ def pool_map(snap: Snapshot, width: int = 64, max_rows: int = 64) -> dict[str, A
     else:  # the state most slots of the group are in
         padded = np.full(cells * per_cell, 0, np.int8)
         padded[:slots] = codes
-        counts = np.stack([(padded.reshape(cells, per_cell) == c).sum(axis=1)
-                           for c in range(len(_MAP_CHARS))])
-        cell_codes = counts.argmax(axis=0)
+        per_state = np.stack([(padded.reshape(cells, per_cell) == c).sum(axis=1)
+                              for c in range(len(_MAP_CHARS))])
+        cell_codes = per_state.argmax(axis=0)
     text = "".join(_MAP_CHARS[int(c)] for c in cell_codes)
     rows = [text[i:i + width] for i in range(0, len(text), width)]
     counts = {MAP_LEGEND[ch].split(" ")[0]: int(np.count_nonzero(codes == i))
@@ -278,21 +307,26 @@ def pool_map(snap: Snapshot, width: int = 64, max_rows: int = 64) -> dict[str, A
 
 
 def verify(snap: Snapshot) -> dict[str, Any]:
-    """Every checksum and invariant (``KVStore.check``), split into damage and garbage."""
+    """Every checksum and invariant (``KVStore.check``), split into damage, unverified and garbage.
+
+    Each entry is a ``Problem.to_dict()``: ``{"kind", "page", "sequence", "message"}``.
+    """
     mgr = snap.mgr
-    problems = snap.store.check()
+    problems = [p for p in snap.store.check(detailed=True) if isinstance(p, Problem)]
     live_writer = snap.writer_pid is not None
-    garbage = [f"spill record {uid} belongs to no page" for uid in stray_records(snap.store)]
-    unverified = [p for p in problems if live_writer and _LIVE_RACE.match(p)]
-    damage = [p for p in problems if p not in garbage and p not in unverified]
+    # A read-only check() leaves out records no page owns; after a crash these are
+    # uncommitted evictions that the next writer open deletes, not damage.
+    garbage = stray_problems(snap.store)
+    unverified = [p for p in problems if live_writer and p.kind in _LIVE_RACE_KINDS]
+    damage = [p for p in problems if p.kind != "stray_record" and p not in unverified]
     live = np.flatnonzero(mgr.live)
     resident = int(np.count_nonzero(mgr.slot[live] >= 0))
     return {
         "path": snap.path,
         "ok": not damage,
-        "damage": damage,
-        "garbage": garbage,
-        "unverified": unverified,
+        "damage": [p.to_dict() for p in damage],
+        "garbage": [p.to_dict() for p in garbage],
+        "unverified": [p.to_dict() for p in unverified],
         "pages_checked": len(live),
         "resident_pages": resident,
         "spilled_pages": len(live) - resident,
@@ -301,3 +335,28 @@ def verify(snap: Snapshot) -> dict[str, Any]:
         "writer_pid": snap.writer_pid if snap.writer_pid and snap.writer_pid > 0 else None,
         "notes": list(snap.notes),
     }
+
+
+def disk_usage(path: str) -> dict[str, Any]:
+    """Free and total bytes of the filesystem holding ``path``; ``low`` when it is nearly full.
+
+    Nearly full: under ``DISK_LOW_FRACTION`` of it free, or under ``DISK_LOW_BYTES``.
+    Free means available to this user (root may dip into the reserved blocks, but
+    LMDB growing into them leaves nothing for anyone else).
+    """
+    try:
+        fs = _statvfs(path)
+    except OSError:
+        return {"free_bytes": None, "total_bytes": None, "low": False}
+    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    low = total > 0 and (free < DISK_LOW_FRACTION * total or free < DISK_LOW_BYTES)
+    return {"free_bytes": free, "total_bytes": total, "low": bool(low)}
+
+
+def disk_warning(path: str, disk: dict[str, Any]) -> str:
+    """The warning ``inspect`` prints when ``disk_usage`` says the filesystem is nearly full."""
+    free, total = disk["free_bytes"], disk["total_bytes"]
+    return (f"the filesystem holding {path} is nearly full: {free:,} of {total:,} bytes free "
+            f"({100 * free / total:.1f}%); a store has no spill cap unless opened with spill_limit_bytes: "
+            f"run 'pagedkv gc' to drop cached pages, 'pagedkv compact' to return free LMDB pages, "
+            f"or set a cap")

@@ -1,53 +1,58 @@
-"""Opening a store for inspection without writing a byte, even beside a live writer.
+"""Opening a store for inspection without writing a byte, or beside a live writer with bounded space.
 
-``pagedkv.open(path, readonly=True)`` opens LMDB with ``lock=False``: it never
-writes, but it is only safe while nobody changes ``data.mdb``. When a writer
-holds the store's lock we therefore copy ``data.mdb`` into a private temporary
-directory and open the copy.
+Both cases go through ``pagedkv.open(path, readonly=True)``:
 
-A copy is trusted only when no commit landed while it was taken: LMDB is
-copy-on-write, but an unregistered reader does not hold back page reuse, so a
-commit may overwrite pages of the snapshot being copied even when the file's
-size, inode and mtime (coarse, a clock tick) look unchanged. Every commit ends
-by rewriting one of the two meta pages with a higher txn id, so the copy's meta
-pages are compared with the source's read after the copy ends: equal, and the
-snapshot they name was never touched while it was read. Otherwise the copy is
-retried (see ``_COPY_TRIES``), and when every copy was torn the open raises
-``SnapshotUnavailable`` rather than trusting one.
+* with no writer, LMDB is opened with ``lock=False``: nothing under the store is
+  written, not even ``spill/lock.mdb``;
+* beside a live writer (one holds ``LOCK``), the reader registers in LMDB's
+  reader table, a slot in ``spill/lock.mdb`` (a lock file, not data). While it
+  holds its read transaction the writer reuses none of the pages of the commit
+  it sees, so that snapshot stays whole however long the inspection takes, and
+  nothing is copied: temporary space is nil and memory does not grow with the
+  size of ``data.mdb``. The writer's file may grow meanwhile by what it commits
+  (pages the snapshot pins are not reused), and the slot is freed at close.
+
+A writer that starts while an unregistered open is under way would leave that
+reader unprotected, so the lock is looked at again once the store is open, and
+such an open is redone as a registered one.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
+
+import lmdb
 
 from .errors import PagedKVError, StoreCorrupt, StoreLocked
 from .lockfile import lock_holder
 from .manager import BlockManager
-from .pool import PagePool
-from .spill import SpillStore
-from .opening import assemble
-from .store import KVStore, StoreOptions
+from .opening import open_store
+from .store import KVStore
 
 POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE, LMDB_LOCK = "pool.bin", "spill", "LOCK", "data.mdb", "lock.mdb"
-# Torn copies are retried: up to 32 times for a small data.mdb, at least 4 times for any,
-# and no more once 256 MiB have been copied in all.
-_COPY_TRIES, _MIN_COPY_TRIES, _COPY_BUDGET = 32, 4, 256 << 20
 # lock.mdb layout of LMDB 0.9 on 64-bit Linux (MDB_txninfo): magic at 0, the reader
 # high-water mark at 56, then 64-byte reader slots from offset 128 (pid at +8).
 _LOCK_MAGIC, _NUMREADERS_AT, _READERS_AT, _READER_NBYTES = 0xBEEFC0DE, 56, 128, 64
+_OPEN_TRIES = 3  # opens redone because a writer appeared while an unregistered one ran
 
 
 class SnapshotUnavailable(StoreLocked):
-    """A live writer committed during every copy of data.mdb: no consistent snapshot was taken.
+    """Beside a live writer, no consistent view of the store could be taken.
 
     A ``StoreLocked``: the store is busy, not damaged; trying again later may succeed.
     """
+
+
+class NotAStore(PagedKVError):
+    """The path is not a pagedkv store directory (missing, a file, empty, another directory, a link)."""
+
+
+class AlreadyOpenHere(PagedKVError):
+    """This process already holds the store's LMDB environment open (LMDB allows one handle)."""
 
 
 @dataclass
@@ -57,23 +62,35 @@ class Snapshot:
     path: str
     store: KVStore
     writer_pid: int | None  # pid of a live writer holding LOCK (-1: held, pid unknown)
-    copied: bool  # True when data.mdb was read from a private copy
+    registered: bool  # True when the read holds a reader slot in spill/lock.mdb
     notes: list[str] = field(default_factory=list)
-    _tempdir: str | None = None
 
     @property
     def mgr(self) -> BlockManager:
         """The block manager of the read-only store (directory columns)."""
         return self.store._mgr
 
-    def close(self) -> None:
-        """Close the store and remove the private copy, if any."""
+    def readers(self) -> dict[str, Any]:
+        """``lmdb_readers`` of the store, leaving this process's own slot out.
+
+        A registered handle asks its own environment: opening and closing another
+        descriptor of lock.mdb would drop the POSIX locks LMDB holds on it here,
+        and with them the liveness mark of this reader's slot.
+        """
+        if not self.registered:
+            return lmdb_readers(self.path, exclude=os.getpid())
         try:
-            self.store.close()
-        finally:
-            if self._tempdir:
-                shutil.rmtree(self._tempdir, ignore_errors=True)
-                self._tempdir = None
+            table = self.store._spill.env.readers()
+        except lmdb.Error:  # a figure for display: unknown is an answer
+            return {"readers": None, "stale": None, "pids": []}
+        pids = [int(row.split()[0]) for row in table.splitlines()[1:] if row.split() and row.split()[0].isdigit()]
+        pids = [pid for pid in pids if pid != os.getpid()]
+        stale = [pid for pid in pids if not _alive(pid)]
+        return {"readers": len(pids) - len(stale), "stale": len(stale), "pids": sorted(set(pids))}
+
+    def close(self) -> None:
+        """Close the store, freeing its reader slot if it held one."""
+        self.store.close()
 
     def __enter__(self) -> Snapshot:
         return self
@@ -83,26 +100,26 @@ class Snapshot:
 
 
 def require_store_dir(path: str) -> None:
-    """Raise a one-line ``PagedKVError`` unless ``path`` looks like a pagedkv store directory."""
+    """Raise a one-line ``NotAStore`` (or ``StoreCorrupt``) unless ``path`` looks like a pagedkv store directory."""
     if not os.path.lexists(path):
-        raise PagedKVError(f"{path}: no such file or directory")
+        raise NotAStore(f"{path}: no such file or directory")
     if os.path.islink(path):
-        raise PagedKVError(f"{path} is a symbolic link; refused")
+        raise NotAStore(f"{path} is a symbolic link; refused")
     if not os.path.isdir(path):
-        raise PagedKVError(f"{path} is not a directory (a pagedkv store is a directory)")
+        raise NotAStore(f"{path} is not a directory (a pagedkv store is a directory)")
     try:
         names = set(os.listdir(path))
     except OSError as exc:
-        raise PagedKVError(f"{path}: cannot list directory ({exc.strerror})") from None
+        raise NotAStore(f"{path}: cannot list directory ({exc.strerror})") from None
     if not names:
-        raise PagedKVError(f"{path} is an empty directory, not a pagedkv store")
+        raise NotAStore(f"{path} is an empty directory, not a pagedkv store")
     if POOL_FILE not in names:
         what = "an LMDB environment" if DATA_FILE in names else "a directory"
-        raise PagedKVError(f"{path} is {what} but not a pagedkv store (no {POOL_FILE})")
+        raise NotAStore(f"{path} is {what} but not a pagedkv store (no {POOL_FILE})")
     if SPILL_DIR not in names or not os.path.lexists(os.path.join(path, SPILL_DIR, DATA_FILE)):
         raise StoreCorrupt(f"{path}: {SPILL_DIR}/{DATA_FILE} is missing")
     if os.path.islink(os.path.join(path, SPILL_DIR)):
-        raise PagedKVError(f"{os.path.join(path, SPILL_DIR)} is a symbolic link; refused")
+        raise NotAStore(f"{os.path.join(path, SPILL_DIR)} is a symbolic link; refused")
     # Regular files only: a symlink could point anywhere, and opening a FIFO would hang.
     for name, required in ((POOL_FILE, True), (os.path.join(SPILL_DIR, DATA_FILE), True),
                            (LOCK_FILE, False), (os.path.join(SPILL_DIR, LMDB_LOCK), False)):
@@ -114,123 +131,63 @@ def require_store_dir(path: str) -> None:
                 raise StoreCorrupt(f"{full} is missing") from None
             continue
         except OSError as exc:
-            raise PagedKVError(f"{full}: {exc.strerror}") from None
+            raise NotAStore(f"{full}: {exc.strerror}") from None
         if stat.S_ISLNK(mode):
-            raise PagedKVError(f"{full} is a symbolic link; refused")
+            raise NotAStore(f"{full} is a symbolic link; refused")
         if not stat.S_ISREG(mode):
             raise StoreCorrupt(f"{full} is not a regular file")
 
 
 def open_snapshot(path: str, live: bool = True) -> Snapshot:
-    """Open the store at ``path`` read-only; never writes a byte under ``path``.
+    """Open the store at ``path`` read-only: with no writer, writing nothing at all.
 
     Params:
-        live: when a writer holds the lock, inspect a private copy of ``data.mdb``
-            (True) or raise ``StoreLocked`` (False).
+        live: when a writer holds the lock, read the snapshot of its last commit
+            through a reader slot in ``spill/lock.mdb`` (True) or raise
+            ``StoreLocked`` (False).
     Raises:
-        PagedKVError (and subclasses) for anything that is not a readable store.
+        PagedKVError (and subclasses) for anything that is not a readable store;
+        ``AlreadyOpenHere`` when this process already has the store open.
     """
     require_store_dir(path)
-    holder = lock_holder(os.path.join(path, LOCK_FILE))
-    if holder is not None and not live:
-        who = f"pid {holder}" if holder > 0 else "another process"
-        raise StoreLocked(f"{path} is in use by a writer ({who})")
-    pool = PagePool.open(os.path.join(path, POOL_FILE), writable=False)
-    tempdir = None
+    lock_path = os.path.join(path, LOCK_FILE)
+    for _ in range(_OPEN_TRIES):
+        holder = lock_holder(lock_path)
+        if holder is not None and not live:
+            who = f"pid {holder}" if holder > 0 else "another process"
+            raise StoreLocked(f"{path} is in use by a writer ({who})")
+        store = _open_readonly(path)
+        registered = bool(store._spill.env.flags()["lock"])
+        now = lock_holder(lock_path)
+        if registered or now is None:
+            break
+        store.close()  # a writer started during an unregistered open: its snapshot is not pinned
+    writer = now if now is not None else holder
+    notes = ["the writer is live: metadata is the snapshot of its last commit, held by a reader slot "
+             "in spill/lock.mdb; pool pages the writer rewrote since may fail their checksum "
+             "(reported unverified)"] if writer is not None else []
+    return Snapshot(path, store, writer, registered, notes)
+
+
+def _open_readonly(path: str) -> KVStore:
     try:
-        store, notes = None, []
-        if holder is None:
-            try:
-                store = _make_store(path, pool, _open_spill(os.path.join(path, SPILL_DIR)))
-            except PagedKVError as exc:
-                # py-lmdb refuses a second handle on one environment in a process (a
-                # read-only store already open here); a private copy sidesteps that.
-                if "already open in this process" not in str(exc):
-                    raise
-        if store is None:
-            tempdir = tempfile.mkdtemp(prefix="pagedkv-inspect-")
-            store, notes = _open_copy(path, pool, tempdir, live=holder is not None)
-    except BaseException:
-        pool.close()
-        if tempdir:
-            shutil.rmtree(tempdir, ignore_errors=True)
+        # Inspection may look at a store on a network filesystem (a copy someone shared);
+        # only a writer's LMDB locking would be unsafe there.
+        return open_store(path, readonly=True, allow_remote=True)
+    except PagedKVError as exc:
+        if "already open in this process" in str(exc):
+            raise AlreadyOpenHere(f"{path} is already open in this process (pid {os.getpid()}); LMDB allows "
+                                  "one handle per process: read it through that handle, or run pagedkv "
+                                  "in another process") from None
         raise
-    return Snapshot(path, store, holder, tempdir is not None, notes, tempdir)
 
 
-def _open_spill(spill_path: str) -> SpillStore:
-    # map_size only bounds the address space of a read-only mapping; the file decides.
-    # Never registers as an LMDB reader: inspect writes no byte, lock.mdb included.
-    return SpillStore(spill_path, readonly=True, create=False, sync=False, register_reader=False)
-
-
-def _make_store(path: str, pool: PagePool, spill: SpillStore) -> KVStore:
-    """A read-only handle over ``pool`` and a given spill environment (closed on failure)."""
-    return assemble(path, pool, spill, StoreOptions(readonly=True), None)
-
-
-def _meta_pages(fd: int) -> bytes:
-    """The two meta pages at the head of an LMDB data file (its page size read from the first)."""
-    head = os.pread(fd, 4096, 0)
-    psize = struct.unpack_from("<I", head, 40)[0] if len(head) >= 44 else 0
-    if psize not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
-        return head  # not a data file LMDB wrote; loading the copy says what is wrong
-    return os.pread(fd, 2 * psize, 0)
-
-
-def _copy_once(source: str, target: str) -> bool:
-    """Copy ``source`` to ``target``; whether no commit landed from the copy's start to its end.
-
-    The copy reads the meta pages first, so they name the newest snapshot whose
-    pages were all written by then. If the source's meta pages read after the
-    copy are the same bytes, no commit ended meanwhile, so no page of that
-    snapshot was freed and reused while the rest of the file was read: the
-    copy holds it whole. (A commit still in flight writes only pages that
-    snapshot does not use: LMDB reuses a page only two commits after it was freed.)
-    """
-    shutil.copyfile(source, target)  # front to back: the meta pages are read first
-    with open(source, "rb") as src:
-        after = _meta_pages(src.fileno())
-    with open(target, "rb") as copied:
-        return _meta_pages(copied.fileno()) == after
-
-
-def _open_copy(path: str, pool: PagePool, tempdir: str, live: bool) -> tuple[KVStore, list[str]]:
-    """Copy data.mdb privately until a copy is consistent, then open it.
-
-    A consistent copy that fails to load is real damage and raises; when every
-    copy was torn by a commit, ``SnapshotUnavailable``.
-    """
-    source = os.path.join(path, SPILL_DIR, DATA_FILE)
-    target_dir = os.path.join(tempdir, SPILL_DIR)
-    os.mkdir(target_dir, 0o700)
-    target = os.path.join(target_dir, DATA_FILE)
-    tries = copied = 0
-    while tries < _COPY_TRIES and (tries < _MIN_COPY_TRIES or copied < _COPY_BUDGET):
-        tries += 1
-        try:
-            consistent = _copy_once(source, target)
-            copied += os.path.getsize(target)
-        except OSError as exc:
-            raise PagedKVError(f"{source}: cannot copy for a live snapshot ({exc.strerror})") from None
-        if not consistent:
-            continue  # a commit landed mid-copy: pages of the copied snapshot may be overwritten
-        store = _make_store(path, pool, _open_spill(target_dir))
-        notes = ["the writer is live: metadata is a private snapshot of data.mdb; pool pages "
-                 "the writer rewrote after it may fail their checksum (reported unverified)"] if live else []
-        return store, notes
-    holder = lock_holder(os.path.join(path, LOCK_FILE))
-    who = f" (pid {holder})" if holder and holder > 0 else ""
-    raise SnapshotUnavailable(
-        f"{path}: could not get a consistent snapshot of data.mdb: the writer{who} committed "
-        f"during each of {tries} copies; try again when it is less busy")
-
-
-def lmdb_readers(path: str) -> dict[str, Any]:
+def lmdb_readers(path: str, exclude: int | None = None) -> dict[str, Any]:
     """Reader slots of ``spill/lock.mdb``, read without locking or writing.
 
     Returns {"readers": live slots, "stale": slots whose pid is gone, "pids": [...]},
-    with None values when the lock file is absent or its layout is not recognised.
+    with None values when the lock file is absent or its layout is not recognised;
+    slots of pid ``exclude`` (the caller's own, say) are not counted.
     """
     unknown: dict[str, Any] = {"readers": None, "stale": None, "pids": []}
     lock_path = os.path.join(path, SPILL_DIR, LMDB_LOCK)
@@ -255,7 +212,7 @@ def lmdb_readers(path: str) -> dict[str, Any]:
     if len(table) < count * _READER_NBYTES:
         return unknown
     pids = [struct.unpack_from("<I", table, i * _READER_NBYTES + 8)[0] for i in range(count)]
-    pids = [pid for pid in pids if pid]
+    pids = [pid for pid in pids if pid and pid != exclude]
     stale = [pid for pid in pids if not _alive(pid)]
     return {"readers": len(pids) - len(stale), "stale": len(stale), "pids": sorted(set(pids))}
 

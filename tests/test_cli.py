@@ -32,7 +32,15 @@ import support
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample.kv"
-SAFE = re.compile(r"[\x20-\x7e\t\n]*")
+class _Safe:
+    """Printed text holds printable characters (any script), tab and newline only."""
+
+    @staticmethod
+    def fullmatch(text: str) -> bool:
+        return all(char.isprintable() or char in "\t\n" for char in text)
+
+
+SAFE = _Safe()
 TINY = pagedkv.PRESETS["tiny"]
 HOSTILE = ["esc\x1b[31mred", "cr\rreturn", "nul\x00byte", "rtl\u202eevil", "tab\there",
            "nl\nline", "emoji\U0001f600", "back\\slash"]
@@ -151,7 +159,7 @@ DEMO_KEYS = {
     "decode_tokens", "follow_ups", "forks", "steps", "commits", "pages", "pages_live", "cached_pages",
     "cow_copies", "evictions", "restores", "resident_hits", "spill_hits", "misses", "resident_hit_rate",
     "spill_hit_rate", "restore_ms_p50", "restore_ms_p99", "bytes_spilled", "bytes_restored", "seconds",
-    "tokens_per_s", "spot_checks", "verified_tokens", "reopen_prefix", "verified", "preset",
+    "tokens_per_s", "spot_checks", "verified_tokens", "reopen_prefix", "verified", "preset", "schema",
 }
 SMALL_DEMO = ["--preset", "tiny", "--pool-pages", "24", "--sequences", "24", "--tokens", "24"]
 
@@ -242,7 +250,7 @@ def test_demo_refuses_a_store_in_use(store_path: Path) -> None:
 
 SUMMARY_KEYS = {"path", "format_version", "metadata_checked", "uuid", "created", "geometry", "model", "page_bytes", "token_bytes",
                 "pool", "pages", "prefix_cache", "lifetime", "spill_codecs", "lmdb", "sequences", "tokens",
-                "last_commit", "writer", "snapshot", "notes"}
+                "last_commit", "writer", "snapshot", "notes", "schema", "disk", "warnings"}
 PREFIX_KEYS = {"shared_pages", "cached_pages", "queries", "query_tokens", "hit_tokens", "hit_pages", "hit_rate"}
 
 
@@ -312,19 +320,24 @@ def test_inspect_seq_block_table(store_path: Path) -> None:
 
 def test_inspect_seq_int_and_str_ids(store_path: Path) -> None:
     assert run_json("inspect", store_path, "--seq", "5")["seq"]["id"] == 5
-    assert run_json("inspect", store_path, "--seq", "12")["seq"]["id"] == "12"  # a str wins
+    assert run_json("inspect", store_path, "--seq", "12")["seq"]["id"] == 12  # as --sequences shows the int
+    assert run_json("inspect", store_path, "--seq", "'12'")["seq"]["id"] == "12"  # and the str, quoted
     assert_one_line_error(run("inspect", store_path, "--seq", "missing", code=2))
     assert_one_line_error(run("inspect", store_path, "--seq", "6", code=2))
 
 
 def test_inspect_page_matches_library_read(store_path: Path) -> None:
     seen = set()
+    # LMDB allows one handle per process: every inspect runs before the library opens the store.
+    shown = {}
+    for seq_id in (5, "b", HOSTILE[-1]):
+        table = run_json("inspect", store_path, "--seq", seq_id)["seq"]["pages"]
+        shown[seq_id] = [(entry, run_json("inspect", store_path, "--page", entry["uid"])["page"])
+                         for entry in table]
     with pagedkv.open(store_path, readonly=True) as store:
-        for seq_id in (5, "b", HOSTILE[-1]):
-            table = run_json("inspect", store_path, "--seq", seq_id)["seq"]["pages"]
-            for entry in table:
+        for seq_id, pages in shown.items():
+            for entry, page in pages:
                 seen.add(entry["where"])
-                page = run_json("inspect", store_path, "--page", entry["uid"])["page"]
                 assert {k: page[k] for k in entry if k != "index"} == {k: v for k, v in entry.items() if k != "index"}
                 assert seq_id in page["sequences"]
                 assert (page["record"] is None) == (entry["where"] == "resident")
@@ -364,7 +377,7 @@ def test_inspect_map_matches_summary(store_path: Path) -> None:
 
 def test_inspect_forms_combine(store_path: Path) -> None:
     out = run_json("inspect", store_path, "--sequences", "--map", "--seq", "a")
-    assert set(out) == {"sequences", "map", "seq"}
+    assert set(out) == {"schema", "sequences", "map", "seq"}
 
 
 def _prefix_store(path: Path) -> list[int]:
@@ -446,8 +459,10 @@ ROW_KEYS = ["scenario", "name", "pagedkv", "reference", "unit", "ratio", "target
 
 
 def test_bench_json_rows(tmp_path: Path) -> None:
-    rows = run_json("bench", "--quick", "--scenario", "b1", "--scenario", "B1", "--seed", 3,
-                    "--workdir", tmp_path)
+    out = run_json("bench", "--quick", "--scenario", "b1", "--scenario", "B1", "--seed", 3,
+                   "--workdir", tmp_path)
+    assert set(out) == {"schema", "rows"} and out["schema"] == 1
+    rows = out["rows"]
     assert len(rows) == 1 and list(rows[0]) == ROW_KEYS
     assert rows[0]["scenario"] == "B1" and rows[0]["unit"] == "GiB/s" and rows[0]["params"]["pairs"] == 5
     assert list(tmp_path.iterdir()) == []  # the temporary stores are gone
@@ -471,7 +486,7 @@ def test_bench_bad_input_is_one_line_exit_2(args: list[str]) -> None:
 # -- verify ---------------------------------------------------------------------------
 
 VERIFY_KEYS = {"path", "ok", "damage", "garbage", "unverified", "pages_checked", "resident_pages",
-               "spilled_pages", "sequences", "live", "writer_pid", "notes"}
+               "spilled_pages", "sequences", "live", "writer_pid", "notes", "schema"}
 
 
 def test_verify_clean_store(store_path: Path) -> None:
@@ -490,7 +505,9 @@ def test_verify_orphan_record_is_a_note_not_damage(store_path: Path) -> None:
     env.close()
     out = run_json("verify", store_path)
     assert out["ok"] is True and len(out["garbage"]) == 1
-    assert "note: 1 spill records" in run("verify", store_path).stdout
+    assert out["garbage"] == [{"kind": "stray_record", "page": 999_999, "sequence": None,
+                               "message": "spill record 999999 belongs to no page"}]
+    assert "note: 1 spill record belongs to no page" in run("verify", store_path).stdout
 
 
 # -- the golden sample store ------------------------------------------------------------
@@ -544,7 +561,7 @@ def _resident_page(path: Path) -> dict[str, Any]:
     raise AssertionError("no resident page")
 
 
-def test_damaged_pool_slot_verifies_with_exit_2(sample: Path) -> None:
+def test_damaged_pool_slot_verifies_with_exit_1(sample: Path) -> None:
     page = _resident_page(sample)
     offset = 4096 + page["slot"] * make_sample.GEOMETRY.page_nbytes + 3
     with open(sample / "pool.bin", "r+b") as fh:
@@ -552,14 +569,17 @@ def test_damaged_pool_slot_verifies_with_exit_2(sample: Path) -> None:
         byte = fh.read(1)
         fh.seek(offset)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    out = run_json("verify", sample, code=2)
-    assert out["ok"] is False and any(f"page {page['uid']}" in p for p in out["damage"])
-    assert "DAMAGED" in run("verify", sample, code=2).stdout
-    states = {p["uid"]: p["state"] for p in run_json("inspect", sample, "--page", page["uid"]).values()}
-    assert states == {page["uid"]: "corrupt"}
+    out = run_json("verify", sample, code=1)
+    assert out["ok"] is False and any(f"page {page['uid']}" in p["message"] for p in out["damage"])
+    assert {"kind": "pool_checksum", "page": page["uid"], "sequence": None} in [
+        {k: p[k] for k in ("kind", "page", "sequence")} for p in out["damage"]]
+    assert "DAMAGED" in run("verify", sample, code=1).stdout
+    shown = run_json("inspect", sample, "--page", page["uid"])
+    assert set(shown) == {"schema", "page"} and shown["page"]["uid"] == page["uid"]
+    assert shown["page"]["state"] == "corrupt"
 
 
-def test_damaged_spill_record_verifies_with_exit_2(sample: Path) -> None:
+def test_damaged_spill_record_verifies_with_exit_1(sample: Path) -> None:
     env = lmdb.open(str(sample / "spill"), max_dbs=4)
     with env.begin(write=True) as txn:
         pages = env.open_db(b"pages", txn=txn)
@@ -569,8 +589,8 @@ def test_damaged_spill_record_verifies_with_exit_2(sample: Path) -> None:
         txn.put(key, bytes(damaged), db=pages)
     env.close()
     uid = int.from_bytes(key, "big")
-    out = run_json("verify", sample, code=2)
-    assert any(f"page {uid}" in p for p in out["damage"])
+    out = run_json("verify", sample, code=1)
+    assert any(f"page {uid}" in p["message"] and p["page"] == uid and p["kind"] == "record" for p in out["damage"])
     assert run_json("inspect", sample, "--page", uid)["page"]["state"] == "corrupt"
 
 
@@ -692,18 +712,27 @@ def _replace(sample: Path, name: str, kind: str) -> Path:
     return sample
 
 
+# A store too damaged to open: verify found damage (exit 1); inspect cannot open it (exit 4).
+DAMAGED_INPUTS = {"bad pool header", "bad superblock", "directory as data.mdb", "fifo LOCK", "fifo pool.bin",
+                  "no spill dir", "pool.bin of another store", "truncated pool.bin", "zeroed data.mdb"}
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2(command: str, case: str, tmp_path: Path, sample: Path) -> None:
+def test_bad_input_is_one_line_exit_4_or_damage_1(command: str, case: str, tmp_path: Path, sample: Path) -> None:
     path = BAD_INPUTS[case](tmp_path, sample)
-    result = run(command, "--", path, code=2)
+    code = 1 if command == "verify" and case in DAMAGED_INPUTS else 4
+    result = run(command, "--", path, code=code)
     assert_one_line_error(result)
+    error = run_json(command, "--", path, code=code)["error"]
+    assert error["exit_code"] == code
+    assert error["kind"] == ("StoreCorrupt" if case in DAMAGED_INPUTS else "NotAStore")
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_missing_path_with_leading_dash(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert_one_line_error(run(command, "--", "-nope", code=2))
+    assert_one_line_error(run(command, "--", "-nope", code=4))
     assert_one_line_error(run(command, "-nope", code=2))  # parsed as an option: still one line
 
 
@@ -721,14 +750,14 @@ def test_awkward_store_paths_work(name: str, sample: Path, tmp_path: Path,
 def test_hostile_sequence_names_are_escaped(store_path: Path) -> None:
     text = run("inspect", store_path, "--sequences").stdout
     assert "\\x1b" in text and "\\r" in text and "\\x00" in text and "\\u202e" in text
-    assert "\\U0001f600" in text
+    assert "'emoji\U0001f600'" in text  # printable: shown as it is
     rows = run_json("inspect", store_path, "--sequences")["sequences"]
     assert set(HOSTILE) <= {r["id"] for r in rows}
     for name in HOSTILE:
         out = run_json("inspect", store_path, "--seq", name)["seq"]
         assert out["id"] == name and out["length"] == 2
         run("inspect", store_path, "--seq", name)  # text form: escaped (checked in run)
-    error = run("verify", store_path / "\x1bmissing\r\n", code=2).stderr
+    error = run("verify", store_path / "\x1bmissing\r\n", code=4).stderr
     assert "\\x1bmissing\\x0d\\x0a" in error
 
 
