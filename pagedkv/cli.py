@@ -369,8 +369,9 @@ def inspect(path: str, show_sequences: bool, seq_id: str | None, page_uid: str |
         if not forms:
             info = inspector.summary(snap)
             _emit(as_json, info, clitext.summary_text(info))
-            for warning in info["warnings"]:
-                click.echo(f"warning: {clitext.one_line(warning)}", err=True)
+            if not as_json:  # JSON carries them in "warnings"
+                for warning in info["warnings"]:
+                    click.echo(f"warning: {clitext.one_line(warning)}", err=True)
             return
     value = {name: data for name, data, _ in forms}
     _emit(as_json, value, "\n\n".join(render(data) for _, data, render in forms))

@@ -420,7 +420,9 @@ def _filesystem(free: int, total: int) -> Any:
 
 def test_inspect_warns_when_the_filesystem_is_nearly_full(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inspector, "_statvfs", _filesystem(free=5 << 30, total=100 << 30))  # 5% free
-    out = run_json("inspect", store_path)
+    result = run("inspect", store_path, "--json")
+    assert result.stderr == ""  # JSON carries the warning; stdout alone parses
+    out = json.loads(result.stdout)
     assert out["disk"] == {"free_bytes": 5 << 30, "total_bytes": 100 << 30, "low": True}
     assert len(out["warnings"]) == 1 and "nearly full" in out["warnings"][0]
     result = run("inspect", store_path)
@@ -455,3 +457,10 @@ def test_stats_text_json_and_prometheus(store_path: Path) -> None:
                                          ("0", 0), ("4 GiB", 4 << 30), ("10kb", 10 << 10)])
 def test_byte_sizes(text: str, value: int) -> None:
     assert cli_mod.ByteSize().convert(text, None, None) == value
+
+
+def test_a_store_open_in_this_process_is_refused_in_one_line(store_path: Path) -> None:
+    """LMDB allows one handle per process: no private copy is made to get around it."""
+    with pagedkv.open(store_path, readonly=True):
+        error = error_of("inspect", store_path, code=4)
+    assert error["kind"] == "AlreadyOpenHere" and "another process" in error["message"]

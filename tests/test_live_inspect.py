@@ -185,3 +185,33 @@ def test_inspect_and_verify_beside_a_live_writer_use_bounded_space(tmp_path: Pat
     assert not problems, "\n".join(problems)
     assert list(tmpdir.iterdir()) == []
     assert commits > len(results), "the writer was not busy: nothing raced the runs"
+
+
+def _states(root: Path) -> dict[str, tuple[bytes | None, int, int]]:
+    out = {}
+    for item in [root, *sorted(root.rglob("*"))]:
+        st = item.lstat()
+        out[str(item.relative_to(root))] = (item.read_bytes() if item.is_file() else None, st.st_mtime_ns,
+                                            st.st_mode)
+    return out
+
+
+def test_with_no_writer_nothing_is_written_not_even_lock_mdb(tmp_path: Path) -> None:
+    """A store copied without LMDB's lock file: inspect, verify and stats create none."""
+    path = tmp_path / "s.kv"
+    with pagedkv.open(path, BIG, pool_pages=2) as store:
+        k = _pages(1, 3)
+        store.create("a")
+        store.append("a", k, k)
+    (path / "spill" / "lock.mdb").unlink()
+    before = _states(path)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    for args in (["inspect", str(path)], ["inspect", "--json", "--sequences", "--map", str(path)],
+                 ["verify", str(path)], ["verify", "--live", "--json", str(path)], ["stats", str(path)]):
+        code, out, err, peaks = _run(args, tmpdir)
+        assert code == 0, (args, err)
+        assert peaks["temp"] == 0
+    assert not (path / "spill" / "lock.mdb").exists()
+    assert _states(path) == before
+    assert list(tmpdir.iterdir()) == []
