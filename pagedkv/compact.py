@@ -48,11 +48,10 @@ from .lmdbcheck import check_data_file, walk_pages
 from .lockfile import WriterLock
 from .pool import PagePool
 from .snapshot import require_store_dir
-from .spill import DB_NAMES, SpillStore, lmdb_error
+from .spill import COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, lmdb_error, remove_compaction_copies
 from .store import StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE = "pool.bin", "spill", "LOCK", "data.mdb"
-TEMP_PREFIX = DATA_FILE + ".compact-"
 # Where a SIGKILL test stops compact (PAGEDKV_CRASHPOINT=name:1), in the order they are passed.
 CRASH_POINTS = ("compact.after_lock", "compact.after_settle", "compact.after_copy", "compact.before_rename",
                 "compact.after_rename", "compact.after_sync")
@@ -78,31 +77,6 @@ class _HeldLock:
         """The handle closes; the lock stays with ``compact``."""
 
 
-def remove_leftovers(path: str) -> int:
-    """Delete the copies interrupted compactions left in ``<path>/spill``; how many there were.
-
-    Call it only while holding the store's writer lock: a compaction holds that
-    lock from before its copy exists until after the rename, so under it every
-    copy is abandoned.
-    """
-    spill_dir = os.path.join(path, SPILL_DIR)
-    try:
-        names = os.listdir(spill_dir)
-    except OSError:
-        return 0  # opening the store reports what is wrong with the directory
-    removed = 0
-    for name in names:
-        if name.startswith(TEMP_PREFIX):
-            try:
-                os.unlink(os.path.join(spill_dir, name))
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise io_error(exc, f"cannot remove the abandoned copy {os.path.join(spill_dir, name)}") from None
-    return removed
-
-
 def compact(path: str | os.PathLike[str]) -> CompactResult:
     """Rewrite the store at ``path``'s spill file without its free pages (see the module doc).
 
@@ -123,7 +97,7 @@ def compact(path: str | os.PathLike[str]) -> CompactResult:
     temp = None
     try:
         faults.crashpoint("compact.after_lock")
-        leftovers = remove_leftovers(path)
+        leftovers = remove_compaction_copies(os.path.join(path, SPILL_DIR))
         _settle(path)
         faults.crashpoint("compact.after_settle")
         before = _size(data_path)

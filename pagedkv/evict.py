@@ -306,7 +306,7 @@ def drop_cache(mgr: BlockManager, max_bytes: int | None) -> dict[str, int]:
     """
     order = _oldest_first(mgr, mgr.droppable())
     if max_bytes is not None:
-        excess = cache_bytes(mgr) - max_bytes
+        excess = mgr.cache_bytes() - max_bytes
         order = order[:_cut(mgr, order, excess)]
     return _drop_now(mgr, order, "clear cache")
 
@@ -336,14 +336,6 @@ def enforce_cap_at_open(mgr: BlockManager) -> dict[str, int]:
                     "committed) sequences; the cap applies from the next eviction on",
                     limit, mgr.spill_bytes)
     return dropped
-
-
-def cache_bytes(mgr: BlockManager) -> int:
-    """Record bytes of cache-only pages (refcount 0), droppable or not."""
-    from .manager import REC_NONE
-
-    rows = np.flatnonzero(mgr.live & (mgr.ref == 0) & (mgr.rec != REC_NONE))
-    return int(mgr.rec_bytes[rows].sum())
 
 
 def _oldest_first(mgr: BlockManager, pids: np.ndarray) -> list[int]:

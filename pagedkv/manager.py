@@ -255,6 +255,11 @@ class BlockManager(Directory):
         pinned[resident] = self.pins[self.slot[rows[resident]]] > 0
         return rows[~pinned]
 
+    def cache_bytes(self) -> int:
+        """Record bytes of cache-only pages (refcount 0), droppable or not."""
+        rows = np.flatnonzero(self.live & (self.ref == 0) & (self.rec != REC_NONE))
+        return int(self.rec_bytes[rows].sum())
+
     def last_use(self, pid: int) -> int:
         """The tick of a page's last use (its slot's stamp, or the stamp it was spilled with)."""
         slot = int(self.slot[pid])

@@ -21,7 +21,7 @@ from .geometry import Geometry
 from .lockfile import WriterLock, _alive, lock_holder
 from .persist import read_superblock, rewrite_superblock, write_superblock
 from .pool import MAGIC, PagePool
-from .spill import SpillStore
+from .spill import SpillStore, remove_compaction_copies
 from .spillcodecs import CODECS
 from .store import DURABILITY, KVStore, StoreOptions
 
@@ -154,9 +154,7 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     faults.crashpoint("open.after_lock")
     try:
         # A compaction killed before its rename left its copy in spill/: under the lock it is abandoned.
-        from .compact import remove_leftovers  # noqa: PLC0415 - compact imports this module
-
-        remove_leftovers(path)
+        remove_compaction_copies(os.path.join(path, SPILL_DIR))
         if wipe:
             if not recreate:
                 _refuse_erasing(path)  # again: a writer may have committed before we locked

@@ -76,6 +76,33 @@ def lmdb_error(exc: lmdb.Error, what: str, path: str | None = None) -> PagedKVEr
     return StoreIOError(f"{what}: {text}")
 
 
+COMPACT_PREFIX = "data.mdb.compact-"  # a compaction's copy of data.mdb, until its rename
+
+
+def remove_compaction_copies(spill_dir: str) -> int:
+    """Delete the copies interrupted compactions left in ``spill_dir``; how many there were.
+
+    Call it only while holding the store's writer lock: a compaction holds that
+    lock from before its copy exists until after the rename, so under it every
+    copy is abandoned.
+    """
+    try:
+        names = os.listdir(spill_dir)
+    except OSError:
+        return 0  # opening the store reports what is wrong with the directory
+    removed = 0
+    for name in names:
+        if name.startswith(COMPACT_PREFIX):
+            try:
+                os.unlink(os.path.join(spill_dir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise io_error(exc, f"cannot remove the abandoned copy {os.path.join(spill_dir, name)}") from None
+    return removed
+
+
 _LOCK_FILE_BYTES = 128 + 126 * 64  # LMDB's lock file: its header and max_readers slots
 
 

@@ -119,7 +119,6 @@ class Stats:
 
 def store_stats(store: Any) -> StoreStats:
     """``KVStore.stats()``: counters, restore latency (ms), pool occupancy, per-codec spill figures."""
-    from .evict import cache_bytes
     from .spillcodecs import CODECS
 
     mgr = store._mgr
@@ -134,7 +133,7 @@ def store_stats(store: Any) -> StoreStats:
         tokens=sum(seq.length for seq in store._seqs.values()),
         shared_pages=int(np.count_nonzero(mgr.live & (mgr.ref > 1))),
         cached_pages=int(np.count_nonzero(mgr.live & (mgr.ref == 0))),
-        cached_bytes=cache_bytes(mgr),
+        cached_bytes=mgr.cache_bytes(),
         spill_bytes=int(mgr.spill_bytes),
         prefix_hit_rate=(out["prefix_hit_tokens"] / out["prefix_query_tokens"]
                          if out["prefix_query_tokens"] else 0.0),
