@@ -10,7 +10,7 @@ from .errors import (FormatVersionError, GeometryMismatch, MissingDependency, Mo
 from .check import Problem
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
-from .prefetch import Prefetch
+from .background.prefetch import Prefetch
 from .stats import CacheDrop, StoreStats
 from .step import Step
 from .store import KVStore

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codec import page_checksum
+from .storage.codec import page_checksum
 from .errors import PageCorrupt
-from .manager import REC_CURRENT
-from .sequence import SeqId
-from .spill import key_uid
-from .restore import read_record
+from .pages.manager import REC_CURRENT
+from .pages.sequence import SeqId
+from .storage.spill import key_uid
+from .pages.restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore

@@ -43,12 +43,13 @@ import lmdb
 
 from . import faults, opening
 from .errors import StoreCorrupt, StoreFull
-from .files import fsync_dir, io_error
-from .lmdbcheck import check_data_file, walk_pages
-from .lockfile import WriterLock
-from .pool import PagePool
+from .storage.files import fsync_dir, io_error
+from .storage.lmdbcheck import check_data_file, walk_pages
+from .storage.lockfile import WriterLock
+from .storage.pool import PagePool
 from .snapshot import require_store_dir
-from .spill import COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, lmdb_error, remove_compaction_copies
+from .storage.spill import (COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, lmdb_error,
+                            remove_compaction_copies)
 from .store import StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE = "pool.bin", "spill", "LOCK", "data.mdb"

@@ -10,12 +10,12 @@ import numpy as np
 
 from . import faults
 from .errors import PageCorrupt, PagedKVError, PoolExhausted
-from .lockfile import lock_holder
-from .directory import HAS_TOKENS, HASHED, NOWHERE
+from .storage.lockfile import lock_holder
+from .pages.directory import HAS_TOKENS, HASHED, NOWHERE
 from .geometry import Geometry
-from .prefix import seal, write_tokens
-from .sequence import Sequence
-from .restore import read_record
+from .pages.prefix import seal, write_tokens
+from .pages.sequence import Sequence
+from .pages.restore import read_record
 
 if TYPE_CHECKING:
     from .store import KVStore

@@ -20,7 +20,7 @@ import re
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
 from .errors import MissingDependency, PagedKVError, StoreClosed
-from .spillcodecs import CODECS
+from .storage.codecs import CODECS
 from .stats import COUNTERS, StoreStats
 
 if TYPE_CHECKING:

@@ -13,16 +13,16 @@ from typing import Any
 import lmdb
 
 from . import faults
-from .codec import FORMAT_VERSION
+from .storage.codec import FORMAT_VERSION
 from .errors import GeometryMismatch, ModelMismatch, PagedKVError, StoreCorrupt, StoreLocked
-from .files import (fsync_dir, io_error, list_dir, lookup, make_private_dir, open_dir, open_file,
-                    refuse_remote, refuse_untrusted)
+from .storage.files import (fsync_dir, io_error, list_dir, lookup, make_private_dir, open_dir, open_file,
+                            refuse_remote, refuse_untrusted)
 from .geometry import Geometry
-from .lockfile import WriterLock, _alive, lock_holder
-from .persist import read_superblock, rewrite_superblock, write_superblock
-from .pool import MAGIC, PagePool
-from .spill import SpillStore, remove_compaction_copies
-from .spillcodecs import CODECS
+from .storage.lockfile import WriterLock, _alive, lock_holder
+from .pages.persist import read_superblock, rewrite_superblock, write_superblock
+from .storage.pool import MAGIC, PagePool
+from .storage.spill import SpillStore, remove_compaction_copies
+from .storage.codecs import CODECS
 from .store import DURABILITY, KVStore, StoreOptions
 
 POOL_FILE, SPILL_DIR, LOCK_FILE = "pool.bin", "spill", "LOCK"

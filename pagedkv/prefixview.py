@@ -3,7 +3,7 @@
 An engine's scheduler decides how much of a prompt a store can serve before any
 K/V moves, often in another process than the one that holds the store's writer
 handle. It needs no page bytes for that, only the set of chained page hashes
-(``pagedkv.prefix``): take a snapshot of them once (``PrefixView.of_store`` on a
+(``pagedkv.pages.prefix``): take a snapshot of them once (``PrefixView.of_store`` on a
 read-only handle, or on the writer's own handle in the same process), then keep
 it current incrementally with ``add`` (pages the engine has asked the writer to
 save) and ``discard`` (pages the writer reported missing). A page believed present
@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .errors import PagedKVError
-from .prefix import ROOT, TOKEN_DTYPE, chain_hash, make_salt
+from .pages.prefix import ROOT, TOKEN_DTYPE, chain_hash, make_salt
 from .store import KVStore
 
 __all__ = ["PrefixView", "ROOT", "store_salt"]

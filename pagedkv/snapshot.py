@@ -28,8 +28,8 @@ from typing import Any
 import lmdb
 
 from .errors import PagedKVError, StoreCorrupt, StoreLocked
-from .lockfile import lock_holder
-from .manager import BlockManager
+from .storage.lockfile import lock_holder
+from .pages.manager import BlockManager
 from .opening import open_store
 from .store import KVStore
 

@@ -119,7 +119,7 @@ class Stats:
 
 def store_stats(store: Any) -> StoreStats:
     """``KVStore.stats()``: counters, restore latency (ms), pool occupancy, per-codec spill figures."""
-    from .spillcodecs import CODECS
+    from .storage.codecs import CODECS
 
     mgr = store._mgr
     out = store._stats.snapshot()

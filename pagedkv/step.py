@@ -14,8 +14,8 @@ import numpy as np
 
 from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
-from .prefix import as_token_ids, seal, write_tokens
-from .sequence import SeqId, Sequence
+from .pages.prefix import as_token_ids, seal, write_tokens
+from .pages.sequence import SeqId, Sequence
 
 if TYPE_CHECKING:
     from .store import KVStore
@@ -276,7 +276,7 @@ def _pin(mgr: Any, step: Step, slot: int) -> None:
 def _inplace_tokens(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                     pids: np.ndarray, offsets: np.ndarray) -> None:
     """Token ids of tokens written into existing last pages (only where ids are involved)."""
-    from .manager import HAS_TOKENS
+    from .pages.manager import HAS_TOKENS
 
     mgr = store._mgr
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0

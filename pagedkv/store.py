@@ -12,21 +12,22 @@ from typing import Any, Callable, Iterable, Mapping
 import lmdb
 import numpy as np
 
-from . import datapath, evict, faults, persist, step as step_mod
+from . import datapath, faults, step as step_mod
+from .pages import evict, persist
 from .check import Problem, check_store
 from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
                      StoreCorrupt)
 from .geometry import Geometry
-from .manager import BlockManager
-from .pool import PagePool
-from .prefetch import Prefetch, Prefetcher
-from .writebehind import WriteBehind
-from .prefix import as_token_ids, make_salt, share_prefix
-from .sequence import SeqId, Sequence, seq_key
-from .spill import SpillStore, lmdb_error
+from .pages.manager import BlockManager
+from .storage.pool import PagePool
+from .background.prefetch import Prefetch, Prefetcher
+from .background.writebehind import WriteBehind
+from .pages.prefix import as_token_ids, make_salt, share_prefix
+from .pages.sequence import SeqId, Sequence, seq_key
+from .storage.spill import SpillStore, lmdb_error
 from .stats import CacheDrop, Stats, StoreStats, store_stats
 from .step import Step
-from .handle import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
+from .options import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
 
 __all__ = ["KVStore", "StoreOptions", "DURABILITY"]
 

@@ -37,9 +37,9 @@ import numpy as np
 import pagedkv
 from pagedkv import faults
 from pagedkv.errors import PageCorrupt, PagedKVError
-from pagedkv.files import filesystem_type
-from pagedkv.manager import BlockManager
-from pagedkv.pool import PagePool
+from pagedkv.storage.files import filesystem_type
+from pagedkv.pages.manager import BlockManager
+from pagedkv.storage.pool import PagePool
 
 # 256-byte pages (2 layers x K/V x 4 tokens x 1 head x 8 dims x fp16): cheap kill cycles.
 GEOM_SMALL = pagedkv.Geometry(layers=2, kv_heads=1, head_dim=8, page_size=4, dtype="float16")
@@ -71,7 +71,7 @@ def library_crashpoints() -> set[str]:
     """Every ``faults.crashpoint("name")`` call in the pagedkv sources."""
     root = Path(pagedkv.__file__).parent
     found: set[str] = set()
-    for source in root.glob("*.py"):
+    for source in root.rglob("*.py"):
         found |= set(re.findall(r"crashpoint\(\s*[\"']([^\"']+)[\"']\s*\)", source.read_text()))
     return found
 

@@ -164,7 +164,7 @@ def run_child_and_kill(body: Callable[[Callable[[str], None]], None]) -> list[st
 
 def index_problems(store: pagedkv.KVStore) -> list[str]:
     """White-box: every hash -> page entry of the prefix index names a live, hashed page with that hash."""
-    from pagedkv.manager import HAS_TOKENS, HASHED
+    from pagedkv.pages.manager import HAS_TOKENS, HASHED
 
     mgr = store._mgr
     problems = []

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import pagedkv
-from pagedkv.bench import ROW_KEYS, SCENARIOS, format_table, run
+from pagedkv.bench.suite import ROW_KEYS, SCENARIOS, format_table, run
 
 ROOT = Path(__file__).resolve().parent.parent
 

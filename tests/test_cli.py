@@ -25,9 +25,9 @@ import pytest
 from click.testing import CliRunner
 
 import pagedkv
-from pagedkv.cli import cli
-from pagedkv.kvgen import check_read, token_kv
-from pagedkv.spill import uid_key
+from pagedkv.cli.commands import cli
+from pagedkv.demo.kvgen import check_read, token_kv
+from pagedkv.storage.spill import uid_key
 import support
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,7 +267,7 @@ def test_inspect_summary_json_matches_library(store_path: Path) -> None:
         assert out["uuid"] == store.uuid
         assert out["geometry"] == store.geometry.to_dict()
         assert out["page_bytes"] == store.geometry.page_nbytes
-        assert out["format_version"] == store.superblock["format"] == pagedkv.codec.FORMAT_VERSION
+        assert out["format_version"] == store.superblock["format"] == pagedkv.storage.codec.FORMAT_VERSION
         commits = store._state["commits"]
         state = dict(store._state)
     assert set(out["prefix_cache"]) == PREFIX_KEYS

@@ -21,9 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 import pagedkv
-from pagedkv import cli as cli_mod, clitext, inspector
-from pagedkv.cli import cli
-from pagedkv.kvgen import token_kv
+from pagedkv.cli import commands as cli_mod, text as clitext
+from pagedkv.inspection import report as inspector
+from pagedkv.cli.commands import cli
+from pagedkv.demo.kvgen import token_kv
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = pagedkv.PRESETS["tiny"]
@@ -236,7 +237,7 @@ def test_no_deprecated_click_api() -> None:
     proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-m", "pagedkv", "--help"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "PacifyFlushWrapper" not in (ROOT / "pagedkv" / "cli.py").read_text()
+    assert "PacifyFlushWrapper" not in (ROOT / "pagedkv" / "cli" / "commands.py").read_text()
 
 
 # -- JSON: a schema version everywhere, errors too -------------------------------------------------

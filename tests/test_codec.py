@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedkv import Geometry, PageCorrupt, PagedKVError
-from pagedkv.codec import RECORD_VERSION, decode_record, encode_record, page_checksum
+from pagedkv.storage.codec import RECORD_VERSION, decode_record, encode_record, page_checksum
 from support import GEOM, kv
 
 UID = 1234
@@ -314,8 +314,8 @@ def test_codec_errors_are_pagedkv_errors() -> None:
 
 # -- encoded payloads (zstd lossless, int8 lossy) -------------------------------------
 
-from pagedkv.codec import encode_spill  # noqa: E402
-from pagedkv.spillcodecs import CODECS  # noqa: E402
+from pagedkv.storage.codec import encode_spill  # noqa: E402
+from pagedkv.storage.codecs import CODECS  # noqa: E402
 
 
 def test_codec_known_codecs() -> None:

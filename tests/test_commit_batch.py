@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import faults, persist
-from pagedkv.codec import page_checksum
+from pagedkv import faults
+from pagedkv.pages import persist
+from pagedkv.storage.codec import page_checksum
 from pagedkv.geometry import Geometry
-from pagedkv.spill import SpillStore
+from pagedkv.storage.spill import SpillStore
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 
 import pagedkv
 from pagedkv import compact as compact_mod
-from pagedkv.cli import cli
-from pagedkv.kvgen import token_kv
+from pagedkv.cli.commands import cli
+from pagedkv.demo.kvgen import token_kv
 from support import get_seed
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,8 +31,8 @@ import pagedkv
 from faultkit import (DATA_MDB, HEADER_NBYTES, LOCK, LOCK_MDB, POOL, SPILL, Tally, copy_store, describe,
                       fast_tmp, flip_bit, in_child, in_children, poke, read_header, reset_peak_rss, resize, scales, soak,  # noqa: F401
                       spill_dbs, spill_env, store_bytes, write_header, proc_status_kib)
-from pagedkv.codec import FORMAT_VERSION, payload_checksum
-from pagedkv.metarecord import SUPERBLOCK_SEED, TAG_META, TRAILER, seal
+from pagedkv.storage.codec import FORMAT_VERSION, payload_checksum
+from pagedkv.storage.metarecord import SUPERBLOCK_SEED, TAG_META, TRAILER, seal
 from pagedkv import (FormatVersionError, Geometry, GeometryMismatch, PageCorrupt, PagedKVError,
                      StoreCorrupt)
 from support import GEOM, Model, build_committed, get_seed

@@ -24,8 +24,8 @@ import crashkit
 import pagedkv
 from crashkit import POINTS, PowerLossRig
 from pagedkv import compact, faults
-from pagedkv.pool import PagePool
-from pagedkv.spill import SpillStore
+from pagedkv.storage.pool import PagePool
+from pagedkv.storage.spill import SpillStore
 
 T2_CYCLES = 1000  # per mode (bar: >= 1000)
 T4_CYCLES = 500  # 4 KiB pages (bar: >= 500), plus T4_SHARED_CYCLES with 1 KiB pages

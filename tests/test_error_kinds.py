@@ -35,9 +35,9 @@ from click.testing import CliRunner
 import pagedkv
 from faultkit import Channel, Peer, describe, fast_tmp, in_child, spill_env  # noqa: F401
 from pagedkv import Geometry, PagedKVError, StoreClosed
-from pagedkv.cli import cli
-from pagedkv.files import disk_usage
-from pagedkv.spill import SpillStore, uid_key
+from pagedkv.cli.commands import cli
+from pagedkv.storage.files import disk_usage
+from pagedkv.storage.spill import SpillStore, uid_key
 from support import Model, get_seed
 
 PROBE = "__poison_probe__"

@@ -22,8 +22,8 @@ import pytest
 
 import pagedkv
 from pagedkv import PagedKVError, StoreCorrupt
-from pagedkv.demo import prepare_path
-from pagedkv.pool import PagePool
+from pagedkv.demo.workload import prepare_path
+from pagedkv.storage.pool import PagePool
 from faultkit import DATA_MDB, LOCK, LOCK_MDB, POOL, in_child
 from support import GEOM, build_committed, kv
 
@@ -432,7 +432,7 @@ def test_a_child_forked_while_a_store_opens_can_open_stores(tmp_path: Path) -> N
     """The process-wide opening lock is fresh in a forked child, whichever thread held it at the fork."""
     import threading
 
-    from pagedkv import files
+    from pagedkv.storage import files
 
     path = tmp_path / "store"
     model = _build(path)

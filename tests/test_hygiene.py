@@ -20,7 +20,8 @@ import pytest
 import pagedkv
 from faultkit import (DATA_MDB, LOCK, LOCK_MDB, POOL, SPILL, Channel, Peer, Tally, copy_store, describe,
                       fast_tmp, fd_count, in_child, maps_count, scales, spill_env)  # noqa: F401
-from pagedkv import (GeometryMismatch, PagedKVError, ReadOnlyStore, StoreClosed, StoreLocked, files)
+from pagedkv import GeometryMismatch, PagedKVError, ReadOnlyStore, StoreClosed, StoreLocked
+from pagedkv.storage import files
 from support import GEOM, Model
 
 SEQS = {"a": 21, "b": 30, "c": 9}  # 17 pages through an 8-slot pool: some spilled

@@ -35,8 +35,8 @@ import pagedkv
 from faultkit import (DATA_MDB, SPILL, Channel, Peer, Tally, copy_store, describe,  # noqa: F401
                       fast_tmp, in_children, poke, scales, store_bytes)
 from pagedkv import Geometry, PageCorrupt, PagedKVError, StoreCorrupt
-from pagedkv.lmdbcheck import probe_in_child, walk_pages
-from pagedkv.spill import DB_NAMES
+from pagedkv.storage.lmdbcheck import probe_in_child, walk_pages
+from pagedkv.storage.spill import DB_NAMES
 from support import Model, get_seed
 
 # A KV page is 2 x 2 x 2 x 16 x 16 x 2 bytes = 4 KiB, so every spilled record is an

@@ -164,7 +164,7 @@ def test_lock_timeout_is_validated(store_path: Path, bad: Any) -> None:
 
 def test_waiting_polls_with_backoff_not_a_busy_loop(store_path: Path, holder: Holder,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedkv.lockfile as lockfile
+    import pagedkv.storage.lockfile as lockfile
 
     tries = []
     real = lockfile.fcntl.flock

@@ -21,7 +21,7 @@ import pytest
 
 import pagedkv
 from pagedkv import PageCorrupt, faults
-from pagedkv.pool import HEADER_NBYTES
+from pagedkv.storage.pool import HEADER_NBYTES
 from support import GEOM, ROOT, Model
 
 PS = GEOM.page_size
@@ -43,7 +43,7 @@ def test_the_package_logger_is_silent_by_default(tmp_path: Path) -> None:
     """No handler configured: a warning reaches no stderr (a NullHandler stops logging's last resort)."""
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("pagedkv").handlers)
     code = ("import logging, pagedkv\n"
-            "logging.getLogger('pagedkv.evict').warning('a pagedkv warning')\n"
+            "logging.getLogger('pagedkv.pages.evict').warning('a pagedkv warning')\n"
             "logging.getLogger('elsewhere').warning('another library')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -86,7 +86,7 @@ def test_evictions_are_logged_per_batch_at_debug(stores, seed, caplog) -> None:
     store = stores.open(pool_pages=4, evict_batch=1)
     model = Model(seed)
     filled(store, model, "a", 6 * PS)
-    batches = [r for r in caplog.records if r.name == "pagedkv.evict" and r.levelno == logging.DEBUG
+    batches = [r for r in caplog.records if r.name == "pagedkv.pages.evict" and r.levelno == logging.DEBUG
                and "evicted" in r.getMessage()]
     assert len(batches) == store.stats()["evict_batches"] > 0
 
@@ -180,7 +180,7 @@ def test_a_failed_prefetch_is_logged(stores, seed, caplog) -> None:
     handle = store.prefetch(["a"])
     assert handle.wait(60)
     assert isinstance(handle.error, PageCorrupt)
-    found = [r for r in caplog.records if r.name == "pagedkv.prefetch" and r.levelno >= logging.WARNING]
+    found = [r for r in caplog.records if r.name == "pagedkv.background.prefetch" and r.levelno >= logging.WARNING]
     assert found and f"page {uid}" in found[0].getMessage(), [r.getMessage() for r in caplog.records]
 
 
@@ -207,7 +207,7 @@ def test_a_failed_write_behind_batch_is_an_error(stores, seed, caplog) -> None:
     finally:
         store._abandon()  # joins the thread: every record it makes is made by now
         faults.set_injector(None)
-    found = [r for r in caplog.records if r.name == "pagedkv.writebehind" and r.levelno == logging.ERROR]
+    found = [r for r in caplog.records if r.name == "pagedkv.background.writebehind" and r.levelno == logging.ERROR]
     assert len(found) == 1, [r.getMessage() for r in caplog.records]
     assert "injected write-behind failure" in found[0].getMessage()
 

@@ -25,9 +25,9 @@ from click.testing import CliRunner
 import pagedkv
 from faultkit import spill_dbs, spill_env
 from pagedkv import PageCorrupt, StoreCorrupt
-from pagedkv.cli import cli
-from pagedkv.metarecord import TAG_META, seal
-from pagedkv.kvgen import check_read
+from pagedkv.cli.commands import cli
+from pagedkv.storage.metarecord import TAG_META, seal
+from pagedkv.demo.kvgen import check_read
 from support import GEOM, Model, get_seed, load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,7 +245,7 @@ def test_format_1_store_reads_unchecked_and_a_writer_seals_it(tmp_path: Path) ->
     with pagedkv.open(work, readonly=True) as store:
         assert store.superblock["format"] == 1 and store.check() == []
     with pagedkv.open(work) as store:
-        assert store.superblock["format"] == pagedkv.codec.FORMAT_VERSION
+        assert store.superblock["format"] == pagedkv.storage.codec.FORMAT_VERSION
     names = {db: {k for d, k, _ in records(work) if d == db} for db in META_DBS}
     for db, key, value in records(work):  # every record is sealed now: a flip is damage
         if db == "meta" and key == b"superblock":

@@ -91,7 +91,7 @@ def busy_store(stores, seed: int) -> pagedkv.KVStore:
 
 def expected_series(stats: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Where each stats() figure must appear, and with which value."""
-    from pagedkv.spillcodecs import CODECS
+    from pagedkv.storage.codecs import CODECS
     from pagedkv.stats import COUNTERS
 
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}

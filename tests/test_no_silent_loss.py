@@ -18,8 +18,8 @@ from click.testing import CliRunner
 import pagedkv
 from pagedkv import PagedKVError
 from pagedkv import opening
-from pagedkv.cli import cli
-from pagedkv.demo import DEMO_MODEL, prepare_path
+from pagedkv.cli.commands import cli
+from pagedkv.demo.workload import DEMO_MODEL, prepare_path
 from support import GEOM, build_committed, kv
 
 SMALL_DEMO = ["--preset", "tiny", "--pool-pages", "24", "--sequences", "12", "--tokens", "16"]

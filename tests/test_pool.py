@@ -12,8 +12,8 @@ import pytest
 
 import pagedkv
 from pagedkv import FormatVersionError, Geometry, PagedKVError, StoreCorrupt, faults
-from pagedkv.codec import FORMAT_VERSION
-from pagedkv.pool import HEADER_NBYTES, MAGIC, PagePool, pack_header, unpack_header
+from pagedkv.storage.codec import FORMAT_VERSION
+from pagedkv.storage.pool import HEADER_NBYTES, MAGIC, PagePool, pack_header, unpack_header
 from support import GEOM, kv
 
 POOL_PAGES = 16

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pagedkv
-import pagedkv.prefix
+import pagedkv.pages.prefix
 from pagedkv import Geometry, ModelMismatch, PagedKVError, StoreClosed, StoreFull
 from prefixkit import (GEOM, PS, Stores, assert_holds, extend, index_problems, prefill, prompt,
                        run_child_and_kill, token_kv)
@@ -182,7 +182,7 @@ def test_full_prefix_hit_still_leaves_one_token(pstores) -> None:
 
 # -- hash collisions -------------------------------------------------------------------------
 
-_REAL_CHAIN_HASH = pagedkv.prefix.chain_hash
+_REAL_CHAIN_HASH = pagedkv.pages.prefix.chain_hash
 
 
 def _constant_hash(parent: bytes, salt: bytes, token_ids: np.ndarray) -> bytes:
@@ -196,7 +196,7 @@ def _one_bit_hash(parent: bytes, salt: bytes, token_ids: np.ndarray) -> bytes:
 @pytest.mark.parametrize("weak", [_constant_hash, _one_bit_hash], ids=["constant", "one-bit"])
 def test_forced_collisions_never_share_pages_with_other_token_ids(pstores, monkeypatch, seed, weak) -> None:
     """The bar: a page is shared only if its token ids are the prompt's (K/V here depend on ids only)."""
-    monkeypatch.setattr(pagedkv.prefix, "chain_hash", weak)
+    monkeypatch.setattr(pagedkv.pages.prefix, "chain_hash", weak)
     rng = np.random.default_rng(seed)
     # chunks that differ in a single token, so colliding pages with other ids abound
     base = prompt(rng, PS, vocab=4)
@@ -221,7 +221,7 @@ def test_forced_collisions_never_share_pages_with_other_token_ids(pstores, monke
 
 
 def test_constant_hash_shares_only_matching_ids(pstores, monkeypatch) -> None:
-    monkeypatch.setattr(pagedkv.prefix, "chain_hash", _constant_hash)
+    monkeypatch.setattr(pagedkv.pages.prefix, "chain_hash", _constant_hash)
     rng = np.random.default_rng(5)
     first = prompt(rng, 3 * PS + 3)
     store = pstores.open()
@@ -239,7 +239,7 @@ def test_constant_hash_shares_only_matching_ids(pstores, monkeypatch) -> None:
 
 
 def _parent_blind_hash(parent: bytes, salt: bytes, token_ids: np.ndarray) -> bytes:
-    return _REAL_CHAIN_HASH(pagedkv.prefix.ROOT, salt, token_ids)
+    return _REAL_CHAIN_HASH(pagedkv.pages.prefix.ROOT, salt, token_ids)
 
 
 @pytest.mark.parametrize("case", ["constant-repeated-page", "parent-blind"])
@@ -250,11 +250,11 @@ def test_forced_collision_never_serves_kv_of_another_position_or_prefix(pstores,
     x, y, z = prompt(rng, PS), prompt(rng, PS), prompt(rng, PS)
     store = pstores.open()
     if case == "constant-repeated-page":
-        monkeypatch.setattr(pagedkv.prefix, "chain_hash", _constant_hash)
+        monkeypatch.setattr(pagedkv.pages.prefix, "chain_hash", _constant_hash)
         cached, query = np.concatenate([x, x, x, z[:3]]), np.concatenate([x, x, x, y[:3]])
         expected = 3 * PS  # x x x after the same prefix: the cached pages, found through the collisions
     else:
-        monkeypatch.setattr(pagedkv.prefix, "chain_hash", _parent_blind_hash)
+        monkeypatch.setattr(pagedkv.pages.prefix, "chain_hash", _parent_blind_hash)
         cached, query = np.concatenate([y, x, z[:3]]), np.concatenate([x, z, y[:3]])
         expected = 0  # x was only ever computed after y
     prefill(store, "cached", cached)
@@ -498,7 +498,7 @@ _CHILD = """
 import json, sys
 import numpy as np
 import pagedkv
-from pagedkv.prefix import ROOT, chain_hash, make_salt
+from pagedkv.pages.prefix import ROOT, chain_hash, make_salt
 path, mode, ids = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), np.int64)
 store = pagedkv.open(path, readonly=mode == "read")
 salt = make_salt(store.superblock.get("salt", b""), store.model)
@@ -524,8 +524,8 @@ def test_lookup_and_create_agree_across_processes(pstores, seed) -> None:
     store = pstores.open(model="fp")
     prefill(store, "a", ids)
     store.commit()
-    salt = pagedkv.prefix.make_salt(store.superblock["salt"], "fp")
-    mine = pagedkv.prefix.chain_hash(pagedkv.prefix.ROOT, salt, ids[:PS]).hex()
+    salt = pagedkv.pages.prefix.make_salt(store.superblock["salt"], "fp")
+    mine = pagedkv.pages.prefix.chain_hash(pagedkv.pages.prefix.ROOT, salt, ids[:PS]).hex()
     reader = _in_child(store.path, "read", ids)  # beside the open writer
     assert reader == {"lookup": 12 * PS, "hash": mine}
     store = pstores.reopen(store)

@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 from pagedkv import Geometry, PageCorrupt
-from pagedkv.codec import encode_record, page_checksum, record_layout
-from pagedkv.restore import fetch_record
+from pagedkv.storage.codec import encode_record, page_checksum, record_layout
+from pagedkv.pages.restore import fetch_record
 
 UID = 77
 SEED = 0x5EED

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from pagedkv.rowindex import RowIndex
+from pagedkv.pages.rowindex import RowIndex
 
 
 _HOMES = [random.Random(home).getrandbits(64) for home in range(4096)]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import spillcodecs
-from pagedkv.codec import decode_record, encode_spill, page_checksum
+from pagedkv.storage import codecs as spillcodecs
+from pagedkv.storage.codec import decode_record, encode_spill, page_checksum
 from pagedkv.geometry import Geometry
 
 GEOMS = [Geometry(2, 2, 8, 4, dtype) for dtype in ("float16", "float32", "bfloat16")]

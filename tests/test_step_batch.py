@@ -147,7 +147,7 @@ def test_step_without_ids_forgets_ids_of_a_reopened_partial_page(stores) -> None
     for _ in range(PS - 2):  # fill the partial page through steps that give no ids
         _step(store, model, {"a": 1}, fail=False)
     assert store.length("a") == 2 * PS
-    from pagedkv.manager import HAS_TOKENS
+    from pagedkv.pages.manager import HAS_TOKENS
 
     second = int(store._seqs["a"].pids[1])
     assert not store._mgr.flags[second] & HAS_TOKENS, "the page still claims to know every id"

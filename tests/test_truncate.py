@@ -298,7 +298,7 @@ def pstores(tmp_path: Path):
 
 def hashed(store: pagedkv.KVStore, seq: Any) -> list[bool]:
     """White-box: which pages of ``seq`` carry a prefix hash, now and in the last commit."""
-    from pagedkv.manager import HASHED
+    from pagedkv.pages.manager import HASHED
 
     mgr = store._mgr
     return [bool(mgr.flags[pid] & HASHED) for pid in store._seq(seq).table.tolist()]

@@ -21,7 +21,7 @@ import pytest
 
 import pagedkv
 import pagedkv.errors
-from pagedkv.spillcodecs import CODECS
+from pagedkv.storage.codecs import CODECS
 from pagedkv.stats import COUNTERS
 from support import GEOM, Model
 
@@ -79,7 +79,7 @@ def test_every_error_class_and_the_public_types_are_exported() -> None:
     for name in ("Prefetch", "StoreStats", "CacheDrop", "KVStore", "Step", "Geometry", "open"):
         assert name in pagedkv.__all__, name
         assert hasattr(pagedkv, name), name
-    from pagedkv.prefetch import Prefetch
+    from pagedkv.background.prefetch import Prefetch
     from pagedkv.stats import CacheDrop, StoreStats
 
     assert (pagedkv.Prefetch, pagedkv.CacheDrop, pagedkv.StoreStats) == (Prefetch, CacheDrop, StoreStats)

@@ -207,7 +207,7 @@ def test_cache_salt_is_part_of_the_identity(base: dict[str, Any], run2: dict[str
 def test_inspect_shows_what_vllm_saved(engines: Engines, run2: dict[str, Any]) -> None:
     from click.testing import CliRunner
 
-    from pagedkv.cli import cli
+    from pagedkv.cli.commands import cli
 
     result = CliRunner().invoke(cli, ["inspect", _store(engines, "kv-other"), "--json"], catch_exceptions=False)
     assert result.exit_code == 0

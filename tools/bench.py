@@ -18,7 +18,7 @@ import time
 # Runnable from a checkout without installing: the package sits next to tools/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pagedkv.bench import SCENARIOS, format_table, run  # noqa: E402
+from pagedkv.bench.suite import SCENARIOS, format_table, run  # noqa: E402
 from pagedkv.errors import PagedKVError  # noqa: E402
 
 

@@ -11,7 +11,7 @@ document under an int id (no token ids), an empty sequence, a dropped chat
 whose hashed pages stay as cache-only pages, and a model fingerprint. The pool
 holds 8 pages, so most pages are spilled to LMDB. Every later pagedkv must
 still read it bit-exact (tests regenerate the expected bytes from ``SEQUENCES``
-with ``pagedkv.kvgen``).
+with ``pagedkv.demo.kvgen``).
 
 Run from the repository root: ``python tools/make_sample.py [--force]``.
 """
@@ -24,8 +24,8 @@ import shutil
 import sys
 
 import pagedkv
-from pagedkv.files import disk_usage
-from pagedkv.kvgen import Request, check_read, expected_kv
+from pagedkv.storage.files import disk_usage
+from pagedkv.demo.kvgen import Request, check_read, expected_kv
 
 SEED = 2024
 MODEL = "pagedkv-sample-model"

@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv import Geometry, PagedKVError  # noqa: E402
-from pagedkv.spillcodecs import CODECS, LOSSY  # noqa: E402
+from pagedkv.storage.codecs import CODECS, LOSSY  # noqa: E402
 
 import faultkit  # noqa: E402
 from faultkit import DATA_MDB, HEADER_FIELDS, HEADER_NBYTES, POOL, Tally, describe  # noqa: E402

@@ -1,0 +1,1 @@
+"""Background work on an open store: prefetching spilled pages and writing evictions behind the caller."""

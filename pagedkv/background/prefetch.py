@@ -1,0 +1,133 @@
+"""Prefetch: restore the spilled pages of sequences in a background thread.
+
+Records are fetched, decoded and verified off the store lock (LMDB readers run
+beside the writer); only placing a verified page into a free slot takes the
+lock, and only if the page is still spilled and unchanged since the fetch began.
+A step that needs a page still in flight simply restores it itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from ..errors import PageCorrupt, PoolExhausted
+from ..pages.manager import REC_CURRENT
+from ..pages.sequence import SeqId
+from ..pages.restore import fetch_record
+
+if TYPE_CHECKING:
+    from ..store import KVStore
+
+_CHUNK = 16  # pages fetched per read transaction between two takes of the lock
+log = logging.getLogger(__name__)
+
+
+class Prefetch:
+    """Handle of one ``KVStore.prefetch`` request."""
+
+    def __init__(self, seq_ids: list[SeqId]) -> None:
+        self.seq_ids = seq_ids
+        self.pages = 0  # pages this request restored ahead of use
+        self.error: BaseException | None = None  # why it stopped early, if it did
+        self._done = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the prefetch finished (True) or ``timeout`` seconds passed (False)."""
+        return self._done.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether the prefetch has finished."""
+        return self._done.is_set()
+
+
+class Prefetcher:
+    """One daemon thread per store, started on the first request."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+        self._jobs: queue.Queue[Prefetch | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, seq_ids: Iterable[SeqId]) -> Prefetch:
+        """Queue a prefetch of ``seq_ids`` and return its handle at once."""
+        job = Prefetch(list(seq_ids))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagedkv-prefetch", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        """Finish the queued work's current chunk and end the thread (call without the store lock)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._prefetch(job)
+            except BaseException as exc:  # reported through the handle, never lost in a thread
+                job.error = exc
+                if isinstance(exc, PageCorrupt):  # a step reading the page raises it again
+                    log.warning("prefetch of %s stopped: %s", job.seq_ids, exc)
+                else:
+                    log.error("prefetch of %s failed", job.seq_ids, exc_info=exc)
+            finally:
+                job._done.set()
+
+    def _prefetch(self, job: Prefetch) -> None:
+        store = self._store
+        with store._lock:
+            if store._closed or store.readonly:
+                return
+            mgr = store._mgr
+            tables = [seq.table for seq in (store._seqs.get(sid) for sid in job.seq_ids) if seq is not None]
+            pids = np.unique(np.concatenate(tables)) if tables else np.empty(0, np.int64)
+            pids = pids[mgr.slot[pids] < 0]
+            wanted = [(int(pid), int(mgr.uid[pid]), int(mgr.fill[pid]), int(mgr.csum[pid]))
+                      for pid in pids.tolist()]
+        for start in range(0, len(wanted), _CHUNK):
+            staged = self._fetch(wanted[start:start + _CHUNK])
+            with store._lock:
+                if store._closed:
+                    return
+                if not self._place(job, staged):
+                    return
+
+    def _fetch(self, chunk: list[tuple[int, int, int, int]]) -> list[tuple[Any, ...]]:
+        mgr, staged = self._store._mgr, []
+        with self._store._spill.background_read() as txn:
+            for pid, uid, fill, csum in chunk:
+                started = time.perf_counter()
+                page, nbytes = fetch_record(mgr, txn, uid, fill, csum)
+                staged.append((pid, uid, fill, csum, page.copy(), nbytes, time.perf_counter() - started))
+        return staged
+
+    def _place(self, job: Prefetch, staged: list[tuple[Any, ...]]) -> bool:
+        """Put fetched pages that are still spilled and unchanged into free slots."""
+        mgr = self._store._mgr
+        for pid, uid, fill, csum, page, nbytes, seconds in staged:
+            if not (mgr.live[pid] and int(mgr.uid[pid]) == uid and mgr.slot[pid] < 0
+                    and int(mgr.fill[pid]) == fill and int(mgr.csum[pid]) == csum
+                    and mgr.rec[pid] == REC_CURRENT):
+                continue  # restored, changed or freed meanwhile
+            try:
+                slot = mgr.take_slots(1)[0]
+            except PoolExhausted:
+                return False  # every slot pinned: the steps that run now need the pool
+            mgr.pool[slot] = page
+            mgr._place(pid, slot)
+            job.pages += 1
+            mgr.stats.add("prefetch_restores")
+            mgr.stats.add("bytes_restored", nbytes)
+            mgr.stats.restore_latency(seconds)
+        return True
+

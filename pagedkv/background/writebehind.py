@@ -1,0 +1,264 @@
+"""Write-behind eviction: a background thread keeps free slots ready.
+
+When free slots fall below a low-water mark, the thread takes a batch of least
+recently used pages (pinning them), and off the store lock checksums and encodes
+them and writes their records in one synced LMDB transaction; then, under the
+lock, frees the slots of pages that did not change meanwhile. ``append`` and
+``step()`` therefore wait for spill I/O only when the pool is truly out of free
+slots (they then evict synchronously, as without this thread).
+
+Safety rests on two facts. The bytes of a resident page's first ``fill`` tokens
+never change while it lives, so they can be read off the lock. And inside its
+transaction the thread re-reads each page's committed directory entry and
+updates it only if it is still the one it saw, so a commit landing in between
+is never overwritten with older placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..storage.codec import encode_spill, page_checksum
+from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, REC_STALE, SPILLED
+from ..storage.metarecord import dir_value, read_dir_value
+from ..storage.spill import uid_key
+from ..storage.codecs import CODECS
+
+if TYPE_CHECKING:
+    from ..store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class WriteBehind:
+    """The background evictor of one store."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+        self.low_water = 0  # set by attach() once the manager exists
+        self._wake = threading.Event()
+        self._txn_done = threading.Event()
+        self._state: tuple[list[dict[str, Any]], set[int], BaseException | None] | None = None
+        self.in_flight = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the thread stopped, if it failed
+
+    def attach(self) -> None:
+        """Start watching the manager's free slots (after the store has loaded)."""
+        mgr = self._store._mgr
+        self.low_water = max(mgr.evict_batch, mgr.pool_pages // 8)
+        mgr.on_take = self.kick
+        mgr.wait_background = self.wait
+
+    def kick(self) -> None:
+        """Called with the store lock held after slots were taken."""
+        if len(self._store._mgr.free_slots) < self.low_water and self.error is None:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pagedkv-write-behind", daemon=True)
+                self._thread.start()
+            self._wake.set()
+
+    def wait(self) -> None:
+        """Land the batch in flight, if any (called with the store lock held).
+
+        The store lock is never released here, so no operation is interrupted
+        halfway: this waits only for the batch's transaction, which needs no store
+        lock, and then applies the batch on the worker's behalf.
+        """
+        if self.in_flight:
+            self._txn_done.wait()
+            error = self._finish()
+            if error is not None:
+                raise error  # the foreground op fails as if it had done the I/O itself
+
+    def _finish(self) -> BaseException | None:
+        """Apply (or, after a failure, unpin) the batch once; under the store lock."""
+        state, self._state = self._state, None
+        if state is None:
+            return None
+        victims, written, error = state
+        if error is not None or self._store._closed:
+            np.subtract.at(self._store._mgr.bg_pins, [v["slot"] for v in victims], 1)
+            if error is not None:  # poisoned like a failed foreground write
+                self.error = error
+                self._store._poisoned = f"write-behind: {error}"
+                log.error("%s: a write-behind batch failed (%s); the handle is poisoned, the last "
+                          "commit is intact", self._store.path, error)
+        else:
+            self._apply(victims, written)
+        self.in_flight = False
+        return error
+
+    def stop(self) -> None:
+        """End the thread after its current batch (call without the store lock)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                while not self._stop and self._batch():
+                    pass
+            except BaseException as exc:  # an I/O failure poisons the handle, as in the foreground
+                if exc is not self.error:  # a failed batch was logged as it landed
+                    log.error("%s: the write-behind thread failed", self._store.path, exc_info=exc)
+                self.error = exc
+                with self._store._lock:
+                    self._store._poisoned = f"write-behind: {exc}"
+                return
+
+    def _batch(self) -> bool:
+        """Spill one batch; return whether to continue (still below the low-water mark)."""
+        store = self._store
+        with store._lock:
+            mgr = store._mgr
+            if store._closed or store._poisoned or len(mgr.free_slots) >= self.low_water:
+                return False
+            victims = self._choose()
+            if not victims:
+                return False
+            self.in_flight = True
+            self._txn_done.clear()
+        written: set[int] = set()
+        error: BaseException | None = None
+        try:
+            written = self._write(self._encode(victims))
+        except BaseException as exc:
+            error = exc
+        finally:
+            self._state = (victims, written, error)
+            self._txn_done.set()
+        with store._lock:
+            if self.in_flight and self._state is not None and self._state[0] is victims:
+                self._finish()
+        if error is not None:
+            raise error
+        return True
+
+    def _choose(self) -> list[dict[str, Any]]:
+        mgr = self._store._mgr
+        live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0) & (mgr.bg_pins == 0))
+        count = min(len(live), mgr.evict_batch)
+        if not count:
+            return []
+        live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
+        victims = []
+        for slot in live.tolist():
+            pid = int(mgr.slot_pid[slot])
+            mgr.bg_pins[slot] += 1  # not evicted under us; writes are still allowed
+            victims.append({
+                "slot": slot, "pid": pid, "uid": int(mgr.uid[pid]), "gen": int(mgr.gen[pid]),
+                "fill": int(mgr.fill[pid]), "csum": int(mgr.csum[pid]) if mgr.csum_ok[pid] else None,
+                "rec": int(mgr.rec[pid]), "c_where": int(mgr.c_where[pid]),
+                "c_fill": int(mgr.c_fill[pid]), "c_csum": int(mgr.c_csum[pid]),
+                "entry": mgr.committed_entry(pid, int(mgr.c_where[pid]))
+                if mgr.c_where[pid] != NOWHERE else None,
+            })
+        return victims
+
+    def _encode(self, victims: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Checksums and records, off the lock (the committed prefix of each page is immutable)."""
+        mgr = self._store._mgr
+        for v in victims:
+            page = mgr.pool[v["slot"]]
+            if v["csum"] is None:
+                v["csum"] = page_checksum(page, v["fill"], v["uid"], mgr.seed)
+            v["record"] = None
+            v["new_c_csum"] = v["c_csum"]
+            if v["rec"] == REC_CURRENT:
+                continue  # its record is already the page
+            record, used, decoded = encode_spill(mgr.geom, v["uid"], v["fill"], v["csum"], page,
+                                                 mgr.spill_codec, mgr.seed)
+            v["record"], v["codec"] = record, CODECS.index(used)
+            if decoded is not None:  # lossy: the page becomes its dequantised values
+                v["csum"] = page_checksum(decoded, v["fill"], v["uid"], mgr.seed)
+                v["new_c_csum"] = page_checksum(decoded, v["c_fill"], v["uid"], mgr.seed)
+        return victims
+
+    def _write(self, victims: list[dict[str, Any]]) -> set[int]:
+        """One synced transaction; returns the slots whose page it spilled."""
+        mgr = self._store._mgr
+        written: set[int] = set()
+
+        def body(txn: Any) -> None:
+            written.clear()
+            for v in victims:
+                key = uid_key(v["uid"])
+                if v["entry"] is not None:
+                    current = txn.get(key, db=mgr.spill.dir)
+                    if current is None or bytes(current) != v["entry"]:
+                        continue  # a commit moved on since: leave this page alone
+                    mgr.spill.put(txn, mgr.spill.dir, key, _spilled_entry(key, v["entry"], v, mgr.seed))
+                if v["record"] is not None:
+                    mgr.spill.put(txn, mgr.spill.pages, key, v["record"])
+                written.add(v["slot"])
+
+        mgr.spill.write(body, "write-behind")
+        return written
+
+    def _apply(self, victims: list[dict[str, Any]], written: set[int]) -> None:
+        """Bring memory in line with what the transaction wrote (under the store lock)."""
+        mgr = self._store._mgr
+        freed = 0
+        for v in victims:
+            slot = v["slot"]
+            mgr.bg_pins[slot] -= 1
+            if slot in written:
+                freed += self._landed_page(v)
+            # A page freed during the batch left its slot to us (see BlockManager._free).
+            if mgr.slot_pid[slot] < 0 and mgr.slot_cpid[slot] < 0 and mgr.bg_pins[slot] == 0:
+                mgr.free_slots.append(slot)
+        if freed:
+            mgr.evict_epoch += 1
+            mgr.stats.add("evictions", freed)
+            mgr.stats.add("background_evictions", freed)
+            mgr.stats.add("evict_batches")
+
+    def _landed_page(self, v: dict[str, Any]) -> int:
+        """Account one page the transaction spilled; return 1 if its slot is now free."""
+        mgr = self._store._mgr
+        slot, pid = v["slot"], v["pid"]
+        mine = int(mgr.uid[pid]) == v["uid"] and (mgr.live[pid] or v["entry"] is not None)
+        if not mine:  # freed (and perhaps reused) before it was ever committed
+            if v["record"] is not None:
+                mgr.doomed.append((v["uid"], len(v["record"])))
+                mgr.spill_bytes += len(v["record"])
+            return 0
+        if v["record"] is not None:
+            mgr.spill_bytes += len(v["record"]) - int(mgr.rec_bytes[pid])
+            mgr.rec_bytes[pid], mgr.codec[pid] = len(v["record"]), v["codec"]
+            mgr.rec[pid] = REC_CURRENT
+        if v["entry"] is not None:  # the disk now says "spilled", whatever happens next
+            mgr.c_where[pid], mgr.c_csum[pid] = SPILLED, v["new_c_csum"]
+            if mgr.slot_cpid[slot] == pid:
+                mgr.slot_cpid[slot] = -1
+        if not mgr.live[pid] or int(mgr.slot[pid]) != slot:
+            return 0
+        if int(mgr.gen[pid]) != v["gen"]:
+            mgr.rec[pid] = REC_STALE  # written meanwhile: the record holds an older fill
+            return 0
+        mgr.csum[pid], mgr.csum_ok[pid] = v["csum"], True
+        if mgr.pins[slot]:
+            return 0  # a step uses it now: stays resident, its record is current
+        mgr.pstamp[pid] = mgr.stamp[slot]
+        mgr.slot[pid] = -1
+        mgr.slot_pid[slot] = -1
+        return 1
+
+
+def _spilled_entry(key: bytes, entry: bytes, victim: dict[str, Any], seed: int) -> bytes:
+    """The committed entry with placement SPILLED (and a lossy codec's new checksum)."""
+    where, fill, _, flags, digest, parent, chain = read_dir_value(key, entry, seed)
+    codec = victim.get("codec", (flags >> CODEC_SHIFT) & 3)
+    flags = flags & ((1 << CODEC_SHIFT) - 1) | codec << CODEC_SHIFT
+    return dir_value(key, SPILLED, fill, victim["new_c_csum"], flags, digest, parent, chain, seed)

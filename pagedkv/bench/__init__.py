@@ -1,0 +1,1 @@
+"""The benchmark suite behind `pagedkv bench`: each workload against an in-process reference."""

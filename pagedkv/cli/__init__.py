@@ -1,0 +1,1 @@
+"""The `pagedkv` command line: click commands (commands.py) and their text rendering (text.py)."""

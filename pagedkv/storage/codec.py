@@ -1,0 +1,226 @@
+"""The spilled-page record and page checksums.
+
+A record is ``u32 header length | msgpack header | payload``. The header is
+decoded as untrusted input: bounded msgpack, then an exact schema check against
+the store's geometry, before a byte of the payload is looked at.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from . import codecs as spillcodecs
+from ..errors import PageCorrupt
+from ..geometry import Geometry
+from .codecs import CODECS
+
+FORMAT_VERSION = 2  # the store's: format 2 seals every metadata record with a checksum
+RECORD_VERSION = 1  # the spilled-page record's header, unchanged since format 1
+
+_LEN = struct.Struct("<I")
+_IDENT = struct.Struct("<QI")
+_MAX_HEADER = 1024
+_RUN_MIN = 4096  # bytes: shorter filled runs are checksummed from one copy of them all
+_HEADER_KEYS = frozenset({"v", "uid", "dtype", "shape", "fill", "codec", "csum", "nbytes"})
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not allowed")
+
+
+def unpack_bounded(blob: bytes | memoryview, max_len: int) -> Any:
+    """Decode msgpack from an untrusted source with explicit limits and no ext types."""
+    return msgpack.unpackb(
+        blob,
+        raw=False,
+        strict_map_key=True,
+        ext_hook=_no_ext,
+        max_bin_len=max_len,
+        max_str_len=max_len,
+        max_array_len=max_len,
+        max_map_len=max_len,
+        max_ext_len=0,
+    )
+
+
+def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
+    """64-bit xxh3 of a page's first ``fill`` tokens, bound to its uid and the store.
+
+    The uid and fill are hashed too, so a record or slot holding another page's
+    bytes (or a stale fill) fails; the seed is the store's, so a pool file swapped
+    in from another store fails as well.
+    """
+    hasher = xxhash.xxh3_64(seed=seed)
+    hasher.update(_IDENT.pack(uid, fill))
+    # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
+    tokens = page.shape[2]
+    if fill == tokens:
+        hasher.update(np.ascontiguousarray(page).view(np.uint8))
+    elif fill:
+        stride = page.nbytes // (page.shape[0] * page.shape[1])  # one (layer, K/V) run of tokens
+        width = stride // tokens * fill
+        if width >= _RUN_MIN and page.flags.c_contiguous:
+            # Hashing each run's filled part in place: copying them out first cost a
+            # 2 MiB page 3x as much (xxh3 streams, so the digest is the same).
+            flat = memoryview(page.reshape(-1).view(np.uint8))
+            for start in range(0, page.nbytes, stride):
+                hasher.update(flat[start:start + width])
+        else:
+            hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8))
+    return hasher.intdigest()
+
+
+def payload_checksum(payload: bytes | memoryview, fill: int, uid: int, seed: int) -> int:
+    """64-bit xxh3 of an encoded payload, bound to its page uid, fill and store."""
+    hasher = xxhash.xxh3_64(seed=seed)
+    hasher.update(_IDENT.pack(uid, fill))
+    hasher.update(payload)
+    return hasher.intdigest()
+
+
+def encode_record(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarray) -> bytearray:
+    """Build the raw (bit-exact) spill value of a page with one copy of its bytes."""
+    return encode_spill(geom, uid, fill, csum, page)[0]
+
+
+def encode_spill(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarray,
+                 codec: str = "raw", seed: int = 0) -> tuple[bytearray, str, np.ndarray | None]:
+    """Build the spill value of a page; return (record, codec used, decoded page if lossy).
+
+    A raw record carries ``csum`` (the page checksum of its ``fill`` tokens) and
+    costs one copy of the page; an encoded record carries the checksum of its
+    encoded payload, which is verified before anything is decoded.
+    """
+    layout = record_layout(geom)
+    if codec == "raw":
+        payload: Any = None
+        nbytes, used, decoded = layout.page_nbytes, "raw", None
+    else:
+        used, payload, decoded = spillcodecs.encode(codec, geom, page, fill)
+        nbytes, csum = len(payload), payload_checksum(payload, fill, uid, seed)
+    out = bytearray(layout.prefix(uid, fill, used, csum, nbytes))
+    # Appended rather than copied into a zeroed buffer: one pass over the page, not two.
+    out += np.ascontiguousarray(page).view(np.uint8).data if payload is None else payload
+    return out, used, decoded
+
+
+class RecordLayout:
+    """What every record of one geometry shares, computed once: the per-page paths read it.
+
+    ``prefix`` is the only place a record header is built, so a record this
+    version wrote can be recognised by comparing bytes (``match_raw``).
+    """
+
+    __slots__ = ("_shape", "dtype", "np_dtype", "page_nbytes", "page_shape")
+
+    def __init__(self, geom: Geometry) -> None:
+        self.dtype = geom.dtype
+        self.np_dtype = geom.np_dtype
+        self.page_shape = geom.page_shape
+        self.page_nbytes = geom.page_nbytes
+        self._shape = list(self.page_shape)
+
+    def prefix(self, uid: int, fill: int, codec: str, csum: int, nbytes: int) -> bytes:
+        """The bytes before a record's payload: u32 header length, then the msgpack header."""
+        header = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
+                                "shape": self._shape, "fill": fill, "codec": codec,
+                                "csum": csum, "nbytes": nbytes})
+        return _LEN.pack(len(header)) + header
+
+    def match_raw(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> np.ndarray | None:
+        """The page of a raw record whose header is exactly the one written for (uid, fill, csum).
+
+        Such a header passes every check of ``decode_record`` by construction, so
+        only the payload's length is left to check (its checksum is the caller's).
+        Returns None for any other record, valid or not: the caller then takes
+        the full path, which reports what is wrong.
+        """
+        if not 0 <= fill <= self.page_shape[2]:
+            return None
+        prefix = self.prefix(uid, fill, "raw", csum, self.page_nbytes)
+        start = len(prefix)
+        if len(value) != start + self.page_nbytes or value[:start] != prefix:
+            return None
+        return np.frombuffer(value, dtype=self.np_dtype, offset=start).reshape(self.page_shape)
+
+
+@functools.lru_cache(maxsize=32)
+def record_layout(geom: Geometry) -> RecordLayout:
+    """The shared ``RecordLayout`` of ``geom``."""
+    return RecordLayout(geom)
+
+
+def decode_record(geom: Geometry, value: bytes | memoryview, uid: int,
+                  seed: int | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    """Validate a record and return its header and its page (a read-only view for raw).
+
+    Raises ``PageCorrupt`` for any malformed header, a field that disagrees with
+    the geometry or with ``uid``, a payload of the wrong length, an encoded
+    payload that fails its checksum (checked when ``seed`` is given) or does not
+    decode. A raw payload's checksum is left to the caller, who knows which fill
+    the metadata committed.
+    """
+    view = memoryview(value)
+    if len(view) < _LEN.size:
+        raise PageCorrupt(f"page {uid}: record of {len(view)} bytes is truncated", uid)
+    (hlen,) = _LEN.unpack_from(view, 0)
+    if not 1 <= hlen <= _MAX_HEADER or _LEN.size + hlen > len(view):
+        raise PageCorrupt(f"page {uid}: header length {hlen} is out of range", uid)
+    try:
+        header = unpack_bounded(view[_LEN.size : _LEN.size + hlen], 64)
+    except Exception as exc:  # msgpack raises a zoo of types on hostile input
+        raise PageCorrupt(f"page {uid}: header does not decode ({type(exc).__name__})", uid) from None
+    problem = _header_problem(geom, header, uid)
+    if problem:
+        raise PageCorrupt(f"page {uid}: {problem}", uid)
+    payload = view[_LEN.size + hlen :]
+    if len(payload) != header["nbytes"]:
+        raise PageCorrupt(
+            f"page {uid}: payload is {len(payload)} bytes, header declares {header['nbytes']}", uid
+        )
+    codec = header["codec"]
+    if codec != "raw" and seed is not None and \
+            payload_checksum(payload, header["fill"], uid, seed) != header["csum"]:
+        raise PageCorrupt(f"page {uid}: {codec} payload fails its checksum", uid)
+    try:
+        page = spillcodecs.decode(codec, geom, payload)
+    except spillcodecs.CodecError as exc:
+        raise PageCorrupt(f"page {uid}: {exc}", uid) from None
+    return header, page
+
+
+def _header_problem(geom: Geometry, header: Any, uid: int) -> str | None:
+    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
+        return "header keys are not the expected schema"
+    ints = ("v", "uid", "fill", "csum", "nbytes")
+    if any(type(header[key]) is not int for key in ints):
+        return "header integer field has the wrong type"
+    if header["v"] != RECORD_VERSION:
+        return f"record format version {header['v']} is not {RECORD_VERSION}"
+    if header["uid"] != uid:
+        return f"record belongs to page {header['uid']}"
+    if not isinstance(header["codec"], str) or header["codec"] not in CODECS:
+        return f"unknown codec {header['codec']!r}"
+    if header["dtype"] != geom.dtype:
+        return f"dtype {header['dtype']!r} is not the store's {geom.dtype!r}"
+    shape = header["shape"]
+    if not isinstance(shape, list) or any(type(d) is not int or d < 1 for d in shape):
+        return "shape must be a list of positive ints"
+    if tuple(shape) != geom.page_shape:
+        return f"shape {shape} is not the store's {list(geom.page_shape)}"
+    exact = spillcodecs.expected_nbytes(geom, header["codec"])
+    if exact is not None and header["nbytes"] != exact:
+        return f"nbytes {header['nbytes']} is not the {header['codec']} page size {exact}"
+    if not 1 <= header["nbytes"] <= spillcodecs.max_nbytes(geom, header["codec"]):
+        return f"nbytes {header['nbytes']} is out of range for {header['codec']}"
+    if not 0 <= header["fill"] <= geom.page_size:
+        return f"fill {header['fill']} is outside 0..{geom.page_size}"
+    if not 0 <= header["csum"] < 1 << 64:
+        return "checksum is out of range"
+    return None
