@@ -11,6 +11,7 @@ from .check import Problem
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
 from .background.prefetch import Prefetch
+from .remote import RemoteConfig
 from .stats import CacheDrop, StoreStats
 from .step import Step
 from .store import KVStore
@@ -24,5 +25,6 @@ __all__ = [
     "open", "Geometry", "PRESETS", "KVStore", "Step", "PagedKVError", "SequenceNotFound",
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
     "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
-    "FormatVersionError", "MissingDependency", "Problem", "Prefetch", "StoreStats", "CacheDrop", "__version__",
+    "FormatVersionError", "MissingDependency", "Problem", "Prefetch", "StoreStats", "CacheDrop", "RemoteConfig",
+    "__version__",
 ]

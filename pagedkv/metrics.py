@@ -20,6 +20,7 @@ import re
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
 from .errors import MissingDependency, PagedKVError, StoreClosed
+from .remote.counters import HELP as REMOTE_HELP
 from .storage.codecs import CODECS
 from .stats import COUNTERS, StoreStats
 
@@ -65,6 +66,7 @@ _HELP = {
     "spill_bytes": "Bytes of every page record in the spill store.",
     "prefix_hit_rate": "Share of queried prompt tokens served from the prefix cache.",
 }
+_HELP.update(REMOTE_HELP)  # the remote tier's counters and gauges
 _CODEC_HELP = {
     "pages": "Pages whose spill record is in this codec.",
     "bytes": "Bytes of the spill records in this codec.",

@@ -64,7 +64,8 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
                allow_remote: bool = False, model: str | None = None,
                allow_model_change: bool = False, spill_limit_bytes: int | None = None,
                spill_codec: str = "raw", write_behind: bool | None = None,
-               recreate: bool = False, lock_timeout: float | None = None) -> KVStore:
+               recreate: bool = False, lock_timeout: float | None = None,
+               remote: Any = None) -> KVStore:
     """Open the store at ``path``, creating it if the directory is missing or empty.
 
     Params:
@@ -93,6 +94,9 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         lock_timeout: seconds to wait for another writer to release the store's lock
             (polled, 1 ms doubling to 50 ms; ``math.inf`` waits for ever); None or 0
             raises ``StoreLocked`` at once. A read-only open takes no lock.
+        remote: a shared remote tier on Redis: a URL (``redis://host:6379/0``,
+            ``rediss://``, ``unix:///path``, ``redis+cluster://h1:p1,h2:p2``) or a
+            ``pagedkv.RemoteConfig``; needs a model fingerprint and the redis extra.
     Raises:
         StoreLocked (naming the holder's pid; after ``lock_timeout`` seconds if given),
         StoreCorrupt, GeometryMismatch, FormatVersionError, StoreIOError (an unreadable
@@ -121,8 +125,12 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
         raise PagedKVError(f"spill_codec must be one of {CODECS}, got {spill_codec!r}")
     if write_behind is None:
         write_behind = os.environ.get("PAGEDKV_WRITE_BEHIND", "") == "1"
+    if remote is not None:
+        from .remote import RemoteConfig
+
+        remote = RemoteConfig.of(remote)  # a bad URL is refused before the store is touched
     opts = StoreOptions(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
-                        allow_model_change, spill_limit_bytes, spill_codec, bool(write_behind))
+                        allow_model_change, spill_limit_bytes, spill_codec, bool(write_behind), remote)
     seen = lookup(path)
     if seen is not None and stat.S_ISLNK(seen.st_mode):
         raise PagedKVError(f"{path} is a symbolic link; refused")

@@ -62,3 +62,4 @@ class StoreOptions:
     spill_limit: int | None = None
     spill_codec: str = "raw"
     write_behind: bool = False
+    remote: Any = None  # a pagedkv.RemoteConfig, or None: no remote tier

@@ -6,12 +6,14 @@ from typing import Any, TypedDict, cast
 
 import numpy as np
 
+from .remote.counters import COUNTERS as REMOTE_COUNTERS, zero_stats
+
 COUNTERS = (
     "resident_hits", "spill_hits", "misses", "evictions", "restores", "bytes_spilled",
     "bytes_restored", "evict_batches", "commits", "tokens_appended", "tokens_read", "steps",
     "pages_allocated", "cow_copies", "cache_drops", "prefix_queries", "prefix_query_tokens",
     "prefix_hit_tokens", "prefix_hit_pages", "prefetch_restores", "background_evictions",
-)
+) + REMOTE_COUNTERS  # the remote tier's own, filled from it (0 without one)
 
 
 class CacheDrop(TypedDict):
@@ -81,6 +83,21 @@ class StoreStats(TypedDict):
     codec_zstd_pages: int
     codec_zstd_bytes: int
     codec_zstd_ratio: float
+    # the remote tier (pagedkv.remote; all 0 without one): counters since this handle opened
+    remote_published: int  # pages sent to the tier
+    remote_present: int  # pages not sent: the tier held them already
+    remote_skipped: int  # pages not published: queue full, tier down or refusing, closing
+    remote_fetched: int  # pages fetched, verified and made local cache pages
+    remote_fetch_misses: int  # pages asked for that the tier did not hold
+    remote_rejected: int  # values refused: garbage, truncated, foreign, failing their checksum
+    remote_errors: int  # failed operations
+    remote_timeouts: int  # of which timeouts
+    remote_refused: int  # of which refusals (OOM, READONLY, NOAUTH, WRONGPASS, NOPERM)
+    remote_bytes_sent: int
+    remote_bytes_fetched: int
+    remote_queue_pages: int  # pages waiting to be published, now
+    remote_fetch_ms_p50: float  # per fetch round trip over the last 4,096
+    remote_fetch_ms_p99: float
 
 
 class Stats:
@@ -146,4 +163,6 @@ def store_stats(store: Any) -> StoreStats:
         out[f"codec_{name}_bytes"] = int(nbytes[index])
         out[f"codec_{name}_ratio"] = (float(pages[index] * store.geometry.page_nbytes / nbytes[index])
                                       if nbytes[index] else 0.0)
+    remote = getattr(store, "_remote", None)
+    out.update(remote.stats() if remote is not None else zero_stats())
     return cast(StoreStats, out)  # the codec keys are built in a loop; the test suite checks every key

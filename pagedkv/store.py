@@ -22,7 +22,7 @@ from .pages.manager import BlockManager
 from .storage.pool import PagePool
 from .background.prefetch import Prefetch, Prefetcher
 from .background.writebehind import WriteBehind
-from .pages.prefix import as_token_ids, make_salt, share_prefix
+from .pages.prefix import as_token_ids, make_salt, match_prefix, share_prefix
 from .pages.sequence import SeqId, Sequence, seq_key
 from .storage.spill import SpillStore, lmdb_error
 from .stats import CacheDrop, Stats, StoreStats, store_stats
@@ -69,12 +69,17 @@ class KVStore:
         self._closed = False
         self._poisoned: str | None = None
         self._pid = os.getpid()
+        self._remote: Any = None  # the shared remote tier (pagedkv.remote), if opened with one
         tables, self._state, self._damage = self._load(writer=not readonly)
         self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
         if not readonly and options.spill_limit is not None:
             evict.enforce_cap_at_open(self._mgr)  # a lowered cap holds from the open on
         if self._write_behind is not None:
             self._write_behind.attach()
+        if options.remote is not None:
+            from .remote import attach
+
+            self._remote = attach(self, options.remote)
 
     def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
         """The committed state; a writer rewrites a format-1 store's metadata sealed."""
@@ -186,7 +191,7 @@ class KVStore:
             raise SequenceExists(f"sequence {seq_id!r} already exists")
         seq = Sequence(seq_id, key)
         if tokens is not None:
-            share_prefix(self._mgr, seq, as_token_ids(tokens))
+            share_prefix(self._mgr, seq, as_token_ids(tokens), self._remote and self._remote.extend)
         self._seqs[seq_id] = seq
         self._dirty[key] = seq
         self._dropped.discard(key)
@@ -195,10 +200,15 @@ class KVStore:
 
     @_op(write=False)
     def lookup(self, tokens: Any) -> int:
-        """How many leading tokens of ``tokens`` are cached in full pages (possibly all); creates nothing."""
+        """How many leading tokens of ``tokens`` are cached in full pages (possibly all); creates nothing.
+
+        With a remote tier, pages it holds after the local match are fetched and
+        kept as local cache pages, so the ``create`` that follows finds them here.
+        """
         token_ids = as_token_ids(tokens)
         page_size = self.geometry.page_size
-        return len(self._mgr.prefix.match(token_ids, len(token_ids) // page_size, self._mgr)) * page_size
+        extend = self._remote and self._remote.extend
+        return len(match_prefix(self._mgr, token_ids, len(token_ids) // page_size, extend)) * page_size
 
     @_op(write=True)
     def append(self, seq_id: SeqId, k: np.ndarray, v: np.ndarray, tokens: Any = None) -> None:
@@ -406,15 +416,21 @@ class KVStore:
     def _commit(self, full_sync: bool = False) -> None:
         """Commit; ``full_sync`` (at close) makes even a nosync store durable on disk."""
         if self.durability == "volatile":
+            if self._remote is not None:
+                self._remote.committed()
             return
         if self._mgr.wait_background is not None:
             self._mgr.wait_background()
         self._stats.carry(self._state, PERSISTED_COUNTERS)  # so inspect shows totals across sessions
+        if self._remote is not None:
+            self._remote.carry(self._state)
         self._state.update(next_uid=self._mgr.next_uid, tick=self._mgr.tick, time=time.time(),
                            commits=int(self._state.get("commits", 0)) + 1,
                            durability=self.durability)
         persist.commit(self._mgr, self._dirty, self._dropped, self._state,
                        durable=self.durability == "durable")
+        if self._remote is not None:
+            self._remote.committed()  # publish only what this commit made durable
         if full_sync and self.durability != "durable":
             self._sync_all()
         self._stats.add("commits")
@@ -491,6 +507,8 @@ class KVStore:
                     if commit:
                         self._commit(full_sync=True)
                         faults.crashpoint("close.after_commit")
+                        if self._remote is not None and self._remote.drain():
+                            self._commit(full_sync=True)  # the state record then holds what it sent
                     elif self.durability == "nosync":
                         self._sync_all()
             finally:
@@ -510,6 +528,9 @@ class KVStore:
 
     def _release(self) -> None:
         self._closed = True
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         self._mgr.pool = None  # type: ignore[assignment]  # our own view must not pin the map
         self._batch = None
         # Break the store <-> thread-helper cycles, so a dropped handle is freed at once

@@ -250,7 +250,7 @@ def test_demo_refuses_a_store_in_use(store_path: Path) -> None:
 
 SUMMARY_KEYS = {"path", "format_version", "metadata_checked", "uuid", "created", "geometry", "model", "page_bytes", "token_bytes",
                 "pool", "pages", "prefix_cache", "lifetime", "spill_codecs", "lmdb", "sequences", "tokens",
-                "last_commit", "writer", "snapshot", "notes", "schema", "disk", "warnings"}
+                "last_commit", "remote", "writer", "snapshot", "notes", "schema", "disk", "warnings"}
 PREFIX_KEYS = {"shared_pages", "cached_pages", "queries", "query_tokens", "hit_tokens", "hit_pages", "hit_rate"}
 
 

@@ -222,6 +222,10 @@ def summary_text(info: dict[str, Any]) -> str:
                         f"{commit['durability'] or 'unknown'} mode)"),
         ("writer", writer_text),
     ]
+    if info.get("remote"):
+        from ..remote.report import remote_text
+
+        items.insert(-2, ("remote tier", remote_text(info["remote"])))
     notes = "".join(f"\nnote: {one_line(note)}" for note in info["notes"])
     notes += "".join(f"\nwarning: {one_line(warning)}" for warning in info["warnings"])
     return clean(pairs(items) + notes)

@@ -25,6 +25,7 @@ from ..pages.sequence import SeqId, Sequence
 from ..snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta
 from ..storage.spill import uid_key
 from ..pages.restore import read_record
+from ..remote.report import committed_section
 
 MAP_WIDTH = 64  # cells per row of the pool map off a terminal (and in JSON)
 
@@ -120,6 +121,7 @@ def summary(snap: Snapshot) -> dict[str, Any]:
             "commits": int(state.get("commits", 0)) if type(state.get("commits", 0)) is int else None,
             "durability": state.get("durability") if isinstance(state.get("durability"), str) else None,
         },
+        "remote": committed_section(state),  # the remote tier as of the last commit (None: none)
         "writer": {"locked": snap.writer_pid is not None,
                    "pid": snap.writer_pid if snap.writer_pid and snap.writer_pid > 0 else None},
         "snapshot": snap.registered,

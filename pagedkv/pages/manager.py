@@ -69,6 +69,7 @@ class BlockManager(Directory):
         self.spill_limit = spill_limit
         self.spill_codec = spill_codec
         self.on_take: Callable[[], None] | None = None  # write-behind's low-water check
+        self.on_seal: Callable[[int, int], None] | None = None  # the remote tier: (page, parent) just hashed
         # Write-behind's batch in flight: its pins, and a wait for it to land. Every
         # foreground LMDB write waits first, so no commit falls between its steps.
         self.bg_pins = np.zeros(self.pool_pages, np.int32)

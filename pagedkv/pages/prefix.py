@@ -10,7 +10,7 @@ the page it follows, so a hash collision can never serve another prompt's KV.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -20,6 +20,8 @@ from .rowindex import RowIndex
 
 ROOT = bytes(16)  # parent hash of a sequence's first page
 TOKEN_DTYPE = np.dtype("<u4")
+# (token ids, locally matched page rows, most pages) -> those rows and the cache pages placed after them
+Extend = Callable[[np.ndarray, list[int], int], list[int]]
 
 
 def make_salt(store_salt: bytes, model: str | None) -> bytes:
@@ -140,14 +142,15 @@ class PrefixIndex:
         return self.index.rows()
 
 
-def share_prefix(mgr: Any, seq: Any, token_ids: np.ndarray) -> None:
+def share_prefix(mgr: Any, seq: Any, token_ids: np.ndarray, extend: Extend | None = None) -> None:
     """Start an empty ``seq`` with the longest cached run of full pages of ``token_ids``.
 
     At most ``len(token_ids) - 1`` tokens are reused, so the engine always has a
     token left to compute. The pages are shared (refcount up, no copy).
+    ``extend`` (the remote tier's) may add verified cache pages after the local match.
     """
     page_size = mgr.geom.page_size
-    pids = mgr.prefix.match(token_ids, max(len(token_ids) - 1, 0) // page_size, mgr)
+    pids = match_prefix(mgr, token_ids, max(len(token_ids) - 1, 0) // page_size, extend)
     for pid in pids:
         seq.push(pid)
     mgr.incref(np.asarray(pids, np.int64))
@@ -156,6 +159,12 @@ def share_prefix(mgr: Any, seq: Any, token_ids: np.ndarray) -> None:
     mgr.stats.add("prefix_query_tokens", len(token_ids))
     mgr.stats.add("prefix_hit_tokens", seq.length)
     mgr.stats.add("prefix_hit_pages", len(pids))
+
+
+def match_prefix(mgr: Any, token_ids: np.ndarray, max_pages: int, extend: Extend | None = None) -> list[int]:
+    """The local match of ``token_ids`` (``PrefixIndex.match``), then what ``extend`` adds after it."""
+    pids = mgr.prefix.match(token_ids, max_pages, mgr)
+    return extend(token_ids, pids, max_pages) if extend is not None and len(pids) < max_pages else pids
 
 
 def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
@@ -202,3 +211,5 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     mgr.flags[pid] |= HASHED
     mgr.chg[pid] = True
     mgr.prefix.add(digest, pid, mgr.hash)
+    if mgr.on_seal is not None:
+        mgr.on_seal(pid, parent)

@@ -27,6 +27,7 @@ OPEN_KEYS: dict[str, tuple[type, ...]] = {
     "map_size": (int,),
     "allow_remote": (bool,),
     "allow_model_change": (bool,),
+    "remote": (str,),  # a shared remote tier: redis://, rediss://, unix://, redis+cluster:// (redis extra)
 }
 # Keys of the connector itself.
 OWN_KEYS: dict[str, tuple[type, ...]] = {
