@@ -9,19 +9,17 @@ that tools can tell kinds apart without matching message text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .core import StoreCore
 from .storage.codec import page_checksum
 from .errors import PageCorrupt
 from .pages.manager import REC_CURRENT
 from .pages.sequence import SeqId
 from .storage.spill import key_uid
 from .pages.restore import read_record
-
-if TYPE_CHECKING:
-    from .store import KVStore
 
 # Every kind ``check_store`` reports; a new kind is a new entry here (and in the README).
 KINDS = {
@@ -68,7 +66,7 @@ class Problem:
                 "message": self.message}
 
 
-def check_store(store: KVStore) -> list[Problem]:
+def check_store(store: StoreCore) -> list[Problem]:
     """Every problem found; [] when the store is consistent."""
     mgr = store._mgr
     if mgr.wait_background is not None:
@@ -103,7 +101,7 @@ def check_store(store: KVStore) -> list[Problem]:
     return problems
 
 
-def _check_slots(store: KVStore, live: np.ndarray) -> list[Problem]:
+def _check_slots(store: StoreCore, live: np.ndarray) -> list[Problem]:
     mgr = store._mgr
     problems = []
     resident = live[mgr.slot[live] >= 0]
@@ -127,7 +125,7 @@ def _check_slots(store: KVStore, live: np.ndarray) -> list[Problem]:
     return problems
 
 
-def _check_pages(store: KVStore, live: np.ndarray) -> list[Problem]:
+def _check_pages(store: StoreCore, live: np.ndarray) -> list[Problem]:
     mgr = store._mgr
     problems = []
     for pid in live.tolist():
@@ -155,13 +153,13 @@ def _check_pages(store: KVStore, live: np.ndarray) -> list[Problem]:
     return problems
 
 
-def stray_problems(store: KVStore) -> list[Problem]:
+def stray_problems(store: StoreCore) -> list[Problem]:
     """``stray_records`` as problems of kind ``"stray_record"``."""
     return [Problem("stray_record", f"spill record {uid} belongs to no page", page=uid)
             for uid in stray_records(store)]
 
 
-def stray_records(store: KVStore) -> list[int]:
+def stray_records(store: StoreCore) -> list[int]:
     """Uids of spill records no page owns (after a crash: left for the next writer to delete)."""
     mgr = store._mgr
     known = set(mgr.uid[np.flatnonzero(mgr.live)].tolist()) | {uid for uid, _ in mgr.doomed}

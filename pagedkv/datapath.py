@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from .core import StoreCore
 from . import faults
 from .errors import PageCorrupt, PagedKVError, PoolExhausted
 from .storage.lockfile import lock_holder
@@ -16,9 +17,6 @@ from .geometry import Geometry
 from .pages.prefix import seal, write_tokens
 from .pages.sequence import Sequence
 from .pages.restore import read_record
-
-if TYPE_CHECKING:
-    from .store import KVStore
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -40,7 +38,7 @@ def check_kv(geom: Geometry, k: Any, v: Any) -> int:
     return int(k.shape[1])
 
 
-def append(store: KVStore, seq: Sequence, k: np.ndarray, v: np.ndarray,
+def append(store: StoreCore, seq: Sequence, k: np.ndarray, v: np.ndarray,
            token_ids: np.ndarray | None) -> None:
     """Write ``k``/``v`` after the sequence's last token, page by page."""
     mgr, page_size = store._mgr, store.geometry.page_size
@@ -73,7 +71,7 @@ def append(store: KVStore, seq: Sequence, k: np.ndarray, v: np.ndarray,
         pos += take
 
 
-def cow_last(store: KVStore, seq: Sequence) -> int:
+def cow_last(store: StoreCore, seq: Sequence) -> int:
     """Replace a shared last page by a private copy (copy-on-write)."""
     mgr = store._mgr
     old = int(seq.pids[seq.npages - 1])
@@ -83,7 +81,7 @@ def cow_last(store: KVStore, seq: Sequence) -> int:
     return new
 
 
-def truncate(store: KVStore, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
+def truncate(store: StoreCore, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
     """Roll a sequence back to an earlier length (its later tokens were never committed)."""
     mgr = store._mgr
     extra = seq.pids[npages:seq.npages].copy()
@@ -102,7 +100,7 @@ def truncate(store: KVStore, seq: Sequence, length: int, npages: int, last: int,
     seq.length = length
 
 
-def shorten(store: KVStore, seq: Sequence, length: int) -> None:
+def shorten(store: StoreCore, seq: Sequence, length: int) -> None:
     """Cut ``seq`` back to its first ``length`` tokens (``KVStore.truncate``); ``length`` is checked.
 
     Pages past the new end are released as ``drop`` releases them (tail first;
@@ -161,7 +159,7 @@ def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> 
     return int(start), int(stop)
 
 
-def serve(store: KVStore, seq: Sequence, fetch: Callable[[Sequence], T],
+def serve(store: StoreCore, seq: Sequence, fetch: Callable[[Sequence], T],
           enough: Callable[[Sequence], bool]) -> T:
     """``fetch(seq)``; beside a live writer, retried on a fresh snapshot if it went stale.
 
@@ -185,7 +183,7 @@ def serve(store: KVStore, seq: Sequence, fetch: Callable[[Sequence], T],
     raise AssertionError("unreachable")
 
 
-def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+def read(store: StoreCore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     """Copies of K and V of tokens ``[start, stop)``; pages stream through the pool."""
     geom, page_size = store.geometry, store.geometry.page_size
     shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
@@ -201,7 +199,7 @@ def read(store: KVStore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarr
     return out_k, out_v
 
 
-def read_pages(store: KVStore, seq: Sequence, first: int, last: int, length: int | None = None) -> np.ndarray:
+def read_pages(store: StoreCore, seq: Sequence, first: int, last: int, length: int | None = None) -> np.ndarray:
     """Copies of pages ``[first, last)`` in pool layout; positions past ``length`` (default: the
     sequence's) zeroed."""
     geom = store.geometry
@@ -217,13 +215,13 @@ def read_pages(store: KVStore, seq: Sequence, first: int, last: int, length: int
     return out
 
 
-def each_page(store: KVStore, seq: Sequence, first: int, last: int,
+def each_page(store: StoreCore, seq: Sequence, first: int, last: int,
               visit: Callable[[int, np.ndarray], None]) -> None:
     """``visit(index, page)`` for pages ``[first, last)`` where they lie, verified (``KVStore.each_page``)."""
     _each_page(store, seq, first, last, visit)
 
 
-def _each_page(store: KVStore, seq: Sequence, first: int, last: int,
+def _each_page(store: StoreCore, seq: Sequence, first: int, last: int,
                copy_out: Callable[[int, np.ndarray], None]) -> None:
     """Call ``copy_out(index, page)`` for pages ``[first, last)``, verified, restoring as needed."""
     mgr = store._mgr
@@ -242,7 +240,7 @@ def _each_page(store: KVStore, seq: Sequence, first: int, last: int,
             copy_out(index, mgr.pool[slot])
 
 
-def _read_in_place(store: KVStore, pids: np.ndarray, first: int,
+def _read_in_place(store: StoreCore, pids: np.ndarray, first: int,
                    copy_out: Callable[[int, np.ndarray], None]) -> None:
     """Serve pages where they lie (pool or spill record): a read-only handle moves nothing."""
     mgr = store._mgr

@@ -1,50 +1,16 @@
-"""The store handle's options, and the decorator that makes each operation atomic."""
+"""How a store is opened: ``StoreOptions``, and the counters a commit persists."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any
 
-import lmdb
-
-from .errors import StoreFull, StoreIOError
 from .geometry import Geometry
 from .storage.schema import COUNTER_KEYS, DURABILITY
-from .storage.spill import lmdb_error
 
-if TYPE_CHECKING:
-    from .store import KVStore
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["StoreOptions", "DURABILITY", "PERSISTED_COUNTERS"]
 # Counters the commit adds to the persistent state record (cumulative over sessions).
 PERSISTED_COUNTERS = COUNTER_KEYS
-
-
-def _op(write: bool) -> Callable[[F], F]:
-    """Serialise a public operation on the store lock and check the handle is usable."""
-
-    def wrap(fn: F) -> F:
-        def inner(self: KVStore, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self._usable(write)
-                try:
-                    return fn(self, *args, **kwargs)
-                except lmdb.Error as exc:
-                    error = lmdb_error(exc, fn.__name__)
-                    if not self.readonly:
-                        self._poisoned = str(error)
-                    raise error from None
-                except (StoreIOError, StoreFull) as exc:
-                    # Reads evict and restore too: any failed I/O leaves memory ahead of
-                    # (or behind) disk, so the handle stops; the last commit is intact.
-                    if not self.readonly and not getattr(exc, "recoverable", False):
-                        self._poisoned = str(exc)
-                    raise
-
-        inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore
-        return inner  # type: ignore[return-value]
-
-    return wrap
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Counters and a bounded latency window for ``KVStore.stats()``."""
+"""What ``KVStore.stats()`` returns, and how it is put together from the store's parts."""
 
 from __future__ import annotations
 
@@ -6,14 +6,12 @@ from typing import Any, TypedDict, cast
 
 import numpy as np
 
+from .counters import STORE_COUNTERS
 from .remote.counters import COUNTERS as REMOTE_COUNTERS, zero_stats
+from .storage.codecs import CODECS
 
-COUNTERS = (
-    "resident_hits", "spill_hits", "misses", "evictions", "restores", "bytes_spilled",
-    "bytes_restored", "evict_batches", "commits", "tokens_appended", "tokens_read", "steps",
-    "pages_allocated", "cow_copies", "cache_drops", "prefix_queries", "prefix_query_tokens",
-    "prefix_hit_tokens", "prefix_hit_pages", "prefetch_restores", "background_evictions",
-) + REMOTE_COUNTERS  # the remote tier's own, filled from it (0 without one)
+# Every counter of stats(): the store's own, then the remote tier's (0 without one).
+COUNTERS = STORE_COUNTERS + REMOTE_COUNTERS
 
 
 class CacheDrop(TypedDict):
@@ -100,44 +98,8 @@ class StoreStats(TypedDict):
     remote_fetch_ms_p99: float
 
 
-class Stats:
-    """Monotonic counters plus the last ``window`` restore latencies (for p50/p99)."""
-
-    def __init__(self, window: int = 16384) -> None:
-        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._lat = np.zeros(window, dtype=np.float64)
-        self._lat_n = 0
-        self._carried: dict[str, int] = {}  # counter values already carried into a state record
-
-    def add(self, name: str, amount: int = 1) -> None:
-        """Increase counter ``name`` by ``amount``."""
-        self.counts[name] += amount
-
-    def restore_latency(self, seconds: float) -> None:
-        """Record one page restore's latency."""
-        self._lat[self._lat_n % len(self._lat)] = seconds
-        self._lat_n += 1
-
-    def carry(self, state: dict[str, Any], names: tuple[str, ...]) -> None:
-        """Add to ``state`` what counters ``names`` gained since the last carry (totals across sessions)."""
-        for name in names:
-            state[name] = int(state.get(name, 0)) + self.counts[name] - self._carried.get(name, 0)
-            self._carried[name] = self.counts[name]
-
-    def snapshot(self) -> dict[str, int | float]:
-        """Counters and restore latency summary in milliseconds (0 when nothing restored)."""
-        out: dict[str, int | float] = dict(self.counts)
-        lat = self._lat[: min(self._lat_n, len(self._lat))] * 1e3
-        out["restore_ms_mean"] = float(lat.mean()) if len(lat) else 0.0
-        out["restore_ms_p50"] = float(np.percentile(lat, 50)) if len(lat) else 0.0
-        out["restore_ms_p99"] = float(np.percentile(lat, 99)) if len(lat) else 0.0
-        return out
-
-
 def store_stats(store: Any) -> StoreStats:
     """``KVStore.stats()``: counters, restore latency (ms), pool occupancy, per-codec spill figures."""
-    from .storage.codecs import CODECS
-
     mgr = store._mgr
     out = store._stats.snapshot()
     out.update(

@@ -8,17 +8,17 @@ page of the batch has moved and no block table has changed since.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+import threading
+from typing import Any, Mapping
 
 import numpy as np
 
+from . import datapath, faults
+from .core import StoreCore, _op
 from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
 from .pages.prefix import as_token_ids, seal, write_tokens
 from .pages.sequence import SeqId, Sequence
-
-if TYPE_CHECKING:
-    from .store import KVStore
 
 
 class Step:
@@ -33,7 +33,7 @@ class Step:
     step's new tokens are rolled back.
     """
 
-    def __init__(self, store: KVStore, new_tokens: Mapping[SeqId, int],
+    def __init__(self, store: StoreCore, new_tokens: Mapping[SeqId, int],
                  tokens: Mapping[SeqId, Any] | None = None) -> None:
         counts = parse_counts(new_tokens)
         tokens = tokens or {}
@@ -53,11 +53,40 @@ class Step:
         self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
 
     def __enter__(self) -> Step:
-        self._store._enter_step(self)
+        _enter_step(self._store, self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._store._exit_step(self, ok=exc_type is None)
+        _exit_step(self._store, self, ok=exc_type is None)
+
+    def length_before(self, seq: Sequence) -> int:
+        """The length ``seq`` (a member of this active step) had when the step began."""
+        return int(self._undo[0][self._seqs.index(seq)])
+
+
+@_op(write=True)
+def _enter_step(store: StoreCore, step: Step) -> None:
+    """Begin ``step`` on ``store``: an operation of its own (locked, checked, I/O errors typed)."""
+    begin(store, step)
+    faults.crashpoint("step.after_begin")
+    me = threading.get_ident()
+    store._active_steps[me] = store._active_steps.get(me, 0) + 1
+    store._stats.add("steps")
+    store._stats.add("tokens_appended", sum(step.new_tokens))
+
+
+def _exit_step(store: StoreCore, step: Step, ok: bool) -> None:
+    """End ``step``: keep its tokens (``ok``) or roll them back, and wake a waiting commit."""
+    with store._lock:
+        me = threading.get_ident()
+        try:
+            end(store, step, ok)
+            faults.crashpoint("step.after_end")
+        finally:
+            store._active_steps[me] -= 1
+            if not store._active_steps[me]:
+                del store._active_steps[me]
+            store._no_steps.notify_all()
 
 
 def parse_counts(new_tokens: Any) -> list[int]:
@@ -93,7 +122,7 @@ class _Batch:
         self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
 
 
-def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) -> int:
+def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
     """Slots a step needs at once: distinct existing pages, copies and new pages."""
     mgr, page_size = store._mgr, store.geometry.page_size
     existing = np.concatenate([seq.table for seq in seqs]) if seqs else np.empty(0, np.int64)
@@ -107,7 +136,7 @@ def pages_needed(store: KVStore, seqs: list[Sequence], new_tokens: list[int]) ->
     return total
 
 
-def fits(store: KVStore, new_tokens: Mapping[SeqId, int]) -> bool:
+def fits(store: StoreCore, new_tokens: Mapping[SeqId, int]) -> bool:
     """``KVStore.can_step``: no sequence busy, and room for every page of the step at once."""
     counts = parse_counts(new_tokens)
     seqs = [store._seq(seq_id) for seq_id in new_tokens]
@@ -116,7 +145,7 @@ def fits(store: KVStore, new_tokens: Mapping[SeqId, int]) -> bool:
     return pages_needed(store, seqs, counts) <= store._mgr.available()
 
 
-def begin(store: KVStore, step: Step) -> None:
+def begin(store: StoreCore, step: Step) -> None:
     """Plan and pin a step (called with the store lock held)."""
     mgr, page_size = store._mgr, store.geometry.page_size
     batch = store._batch
@@ -195,7 +224,7 @@ def begin(store: KVStore, step: Step) -> None:
     _outputs(store, step, tables, lengths, counts, new_npages, held)
 
 
-def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray,
+def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarray,
             width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool]:
     """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
 
@@ -224,7 +253,7 @@ def _tables(store: KVStore, step: Step, seqs: list[Sequence], npages: np.ndarray
     return tables, False
 
 
-def _fresh_pages(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndarray,
+def _fresh_pages(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                  counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> None:
     """One new page for each of ``rows``, holding its new tokens, in one batch (no token ids)."""
     if not len(rows):
@@ -239,7 +268,7 @@ def _fresh_pages(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndar
         seqs[row].push(pid)
 
 
-def _grow(store: KVStore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:
+def _grow(store: StoreCore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:
     """Give ``seq`` room for ``count`` more tokens, writing new slots into its table row."""
     mgr, page_size = store._mgr, store.geometry.page_size
     token_ids = step.token_ids.get(seq.seq_id)
@@ -273,7 +302,7 @@ def _pin(mgr: Any, step: Step, slot: int) -> None:
     step._pins[slot] += 1
 
 
-def _inplace_tokens(store: KVStore, step: Step, seqs: list[Sequence], rows: np.ndarray,
+def _inplace_tokens(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                     pids: np.ndarray, offsets: np.ndarray) -> None:
     """Token ids of tokens written into existing last pages (only where ids are involved)."""
     from .pages.manager import HAS_TOKENS
@@ -285,7 +314,7 @@ def _inplace_tokens(store: KVStore, step: Step, seqs: list[Sequence], rows: np.n
         write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
 
 
-def _outputs(store: KVStore, step: Step, tables: np.ndarray, lengths: np.ndarray,
+def _outputs(store: StoreCore, step: Step, tables: np.ndarray, lengths: np.ndarray,
              counts: np.ndarray, new_npages: np.ndarray, held: np.ndarray) -> None:
     mgr, page_size = store._mgr, store.geometry.page_size
     width = int(new_npages.max())
@@ -303,7 +332,7 @@ def _outputs(store: KVStore, step: Step, tables: np.ndarray, lengths: np.ndarray
     mgr.touch(held)  # the step's new pages were stamped as they were placed
 
 
-def end(store: KVStore, step: Step, ok: bool) -> None:
+def end(store: StoreCore, step: Step, ok: bool) -> None:
     """Unpin a step's pages; on failure, roll its new tokens back."""
     mgr, page_size = store._mgr, store.geometry.page_size
     try:
@@ -313,8 +342,9 @@ def end(store: KVStore, step: Step, ok: bool) -> None:
                 if not ok or step.token_ids else []
             if not ok:
                 for row in reversed(changed):
-                    store._truncate(step._seqs[row], int(lengths[row]), int(npages[row]),
-                                    int(last_pids[row]), int(last_fill[row]))
+                    store._table_epoch += 1
+                    datapath.truncate(store, step._seqs[row], int(lengths[row]), int(npages[row]),
+                                      int(last_pids[row]), int(last_fill[row]))
             elif step.token_ids:
                 # Pages are hashed (and so shareable) only once the engine wrote their K/V.
                 for row in changed:

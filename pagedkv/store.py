@@ -4,170 +4,52 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-import lmdb
 import numpy as np
 
 from . import datapath, faults, step as step_mod
-from .pages import evict, persist
-from .check import Problem, check_store
-from .errors import (PagedKVError, ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
-                     StoreCorrupt)
-from .geometry import Geometry
-from .pages.manager import BlockManager
-from .storage.pool import PagePool
 from .background.prefetch import Prefetch, Prefetcher
 from .background.writebehind import WriteBehind
-from .pages.prefix import as_token_ids, make_salt, match_prefix, share_prefix
+from .check import Problem, check_store
+from .core import StoreCore, _op
+from .errors import PagedKVError, SequenceBusy, SequenceExists
+from .options import DURABILITY, PERSISTED_COUNTERS, StoreOptions
+from .pages import evict, persist
+from .pages.prefix import as_token_ids, match_prefix, share_prefix
 from .pages.sequence import SeqId, Sequence, seq_key
-from .storage.spill import SpillStore, lmdb_error
-from .stats import CacheDrop, Stats, StoreStats, store_stats
+from .remote import tier as remote_tier
+from .stats import CacheDrop, StoreStats, store_stats
 from .step import Step
-from .options import DURABILITY, PERSISTED_COUNTERS, StoreOptions, _op
+from .storage.pool import PagePool
+from .storage.spill import SpillStore
 
 __all__ = ["KVStore", "StoreOptions", "DURABILITY"]
 
 log = logging.getLogger(__name__)
 
 
-
-class KVStore:
+class KVStore(StoreCore):
     """A persistent paged KV store; obtain one with ``pagedkv.open``."""
 
     def __init__(self, path: str, pool: PagePool, spill: SpillStore, superblock: dict[str, Any],
                  options: StoreOptions, lock: Any) -> None:
-        self.path = path
-        self.geometry: Geometry = pool.geom
-        self.pool_pages = pool.pool_pages
-        self.durability = options.durability
-        self.readonly = readonly = options.readonly
-        self.uuid = pool.uuid.hex()
-        self.superblock = superblock
-        self._pool_file, self._spill, self._writer_lock = pool, spill, lock
-        self._lock = threading.RLock()
-        self._no_steps = threading.Condition(self._lock)
-        self._active_steps: dict[int, int] = {}
-        self._stats = Stats()
+        super().__init__(path, pool, spill, superblock, options, lock)
         self._prefetcher = Prefetcher(self)
         # Write-behind does not plan around a spill cap, so a capped store spills in the foreground.
         self._write_behind = (WriteBehind(self) if options.write_behind and not options.readonly
                               and options.spill_limit is None else None)
-        self._options = options
-        self._mgr = self._new_manager()
-        self.model: str | None = superblock.get("model")
-        self.spill_limit_bytes = options.spill_limit
-        self.spill_codec = options.spill_codec
-        self._dirty: dict[bytes, Sequence] = {}  # block tables the next commit writes
-        self._dropped: set[bytes] = set()
-        self._table_epoch = 0  # bumped by every block-table change outside a step
-        self._batch: Any = None  # the last step's block table (see step.py)
-        self._busy: dict[int, Step] = {}  # every active step (its sequences are ``members``)
-        self._closed = False
-        self._poisoned: str | None = None
-        self._pid = os.getpid()
         self._remote: Any = None  # the shared remote tier (pagedkv.remote), if opened with one
-        tables, self._state, self._damage = self._load(writer=not readonly)
-        self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
-        if not readonly and options.spill_limit is not None:
+        if not self.readonly and options.spill_limit is not None:
             evict.enforce_cap_at_open(self._mgr)  # a lowered cap holds from the open on
         if self._write_behind is not None:
             self._write_behind.attach()
         if options.remote is not None:
-            from .remote import attach
-
-            self._remote = attach(self, options.remote)
-
-    def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
-        """The committed state; a writer rewrites a format-1 store's metadata sealed."""
-        sealed = self.superblock["format"] >= persist.SEALED_FORMAT
-        try:
-            loaded = persist.load(self._mgr, writer=writer, sealed=sealed)
-            if writer:
-                self._log_recovery()
-            if writer and not sealed:
-                persist.upgrade(self._mgr, self.superblock)
-                log.info("%s: upgraded from format 1: its metadata was rewritten sealed (format %d), "
-                         "in one transaction", self.path, self.superblock["format"])
-            return loaded
-        except lmdb.Error as exc:
-            raise lmdb_error(exc, f"cannot load {self.path}") from None
-        except (struct.error, ValueError, OverflowError) as exc:  # hostile bytes in metadata
-            raise StoreCorrupt(f"{self.path}: metadata is malformed ({exc})") from None
-
-    def _log_recovery(self) -> None:
-        """Say what a writer's open found left over by an interrupted writer (collected from now on)."""
-        mgr = self._mgr
-        if mgr.doomed:
-            log.info("%s: %d stray spill records (%d bytes), left by a writer that stopped before "
-                     "committing, are deleted by the next write", self.path, len(mgr.doomed),
-                     sum(nbytes for _, nbytes in mgr.doomed))
-        if mgr.zombies:
-            log.info("%s: %d committed pages no sequence references are collected at the next commit",
-                     self.path, len(mgr.zombies))
-
-    def _new_manager(self) -> BlockManager:
-        pool, options, superblock = self._pool_file, self._options, self.superblock
-        return BlockManager(pool.geom, pool, self._spill, int.from_bytes(pool.uuid[:8], "little"),
-                            options.durability == "durable", options.evict_batch, self._stats,
-                            make_salt(superblock.get("salt", b""), superblock.get("model")),
-                            options.spill_limit, options.spill_codec)
-
-    def _refresh(self) -> None:
-        """Read-only: take a new snapshot of the store (a live writer has moved on)."""
-        self._spill.refresh()
-        self._mgr = self._new_manager()
-        tables, self._state, self._damage = self._load(writer=False)
-        self._seqs = {seq.seq_id: seq for seq in tables.values()}
+            self._remote = remote_tier.attach(self, options.remote)
 
     # -- handle state --------------------------------------------------------
-    def _usable(self, write: bool) -> None:
-        if self._closed:
-            raise StoreClosed(f"{self.path}: the store is closed")
-        if os.getpid() != self._pid:
-            raise StoreClosed(f"{self.path}: opened in process {self._pid}; reopen it in this one")
-        if self._poisoned and write:
-            raise StoreClosed(f"{self.path}: an earlier I/O failure poisoned this handle "
-                              f"({self._poisoned}); reopen the store")
-        if write and self.readonly:
-            raise ReadOnlyStore(f"{self.path}: opened read-only")
-
-    def _seq(self, seq_id: SeqId) -> Sequence:
-        seq = self._seqs.get(seq_id) if type(seq_id) is str or type(seq_id) is int else None
-        if seq is None:
-            seq_key(seq_id)  # a typed error for an id of the wrong kind
-            if isinstance(seq_id, (str, int)):  # a subclass names the same sequence
-                seq = self._seqs.get(str(seq_id) if isinstance(seq_id, str) else int(seq_id))
-        if seq is None:
-            raise SequenceNotFound(f"no sequence {seq_id!r}")
-        return seq
-
-    def _idle_seq(self, seq_id: SeqId) -> Sequence:
-        seq = self._seq(seq_id)
-        self._check_idle(frozenset((seq,)))
-        return seq
-
-    def _check_idle(self, seqs: frozenset[Sequence]) -> None:
-        """Raise ``SequenceBusy`` if any of ``seqs`` is part of an active step."""
-        for step in self._busy.values():
-            if not seqs.isdisjoint(step.members):
-                busy = next(seq for seq in seqs if seq in step.members)
-                raise SequenceBusy(f"sequence {busy.seq_id!r} is in an active step")
-
-    def _written(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` whose K/V are written: an active step's new tokens count once it ends.
-
-        Inside a step the engine has not necessarily written its tokens yet, and
-        the slots it will write hold whatever a recycled page left there.
-        """
-        for step in self._busy.values():
-            if seq in step.members:
-                return int(step._undo[0][step._seqs.index(seq)])
-        return seq.length
-
     @property
     def pool(self) -> np.ndarray:
         """The pool slots: ndarray ``(pool_pages, layers, 2, page_size, kv_heads, head_dim)``."""
@@ -255,10 +137,6 @@ class KVStore:
         self._table_epoch += 1
         datapath.shorten(self, seq, int(length))
         self._dirty[seq.key] = seq
-
-    def _truncate(self, seq: Sequence, length: int, npages: int, last: int, last_fill: int) -> None:
-        self._table_epoch += 1
-        datapath.truncate(self, seq, length, npages, last, last_fill)
 
     @_op(write=False)
     def read(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -374,33 +252,6 @@ class KVStore:
     def can_step(self, new_tokens: Mapping[SeqId, int]) -> bool:
         """Whether ``step(new_tokens)`` would find room for all its pages at once right now."""
         return step_mod.fits(self, new_tokens)
-
-    @_op(write=True)
-    def _enter_step(self, step: Step) -> None:
-        step_mod.begin(self, step)
-        faults.crashpoint("step.after_begin")
-        me = threading.get_ident()
-        self._active_steps[me] = self._active_steps.get(me, 0) + 1
-        self._stats.add("steps")
-        self._stats.add("tokens_appended", sum(step.new_tokens))
-
-    def _exit_step(self, step: Step, ok: bool) -> None:
-        with self._lock:
-            me = threading.get_ident()
-            try:
-                step_mod.end(self, step, ok)
-                faults.crashpoint("step.after_end")
-            finally:
-                self._active_steps[me] -= 1
-                if not self._active_steps[me]:
-                    del self._active_steps[me]
-                self._no_steps.notify_all()
-
-    def _wait_no_steps(self, what: str) -> None:
-        if self._active_steps.get(threading.get_ident()):
-            raise SequenceBusy(f"{what} inside an active step of this thread")
-        while self._active_steps:
-            self._no_steps.wait()
 
     # -- persistence ---------------------------------------------------------
     @_op(write=True)

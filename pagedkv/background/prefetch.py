@@ -12,17 +12,15 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
+from ..core import StoreCore
 from ..errors import PageCorrupt, PoolExhausted
 from ..pages.manager import REC_CURRENT
 from ..pages.sequence import SeqId
 from ..pages.restore import fetch_record
-
-if TYPE_CHECKING:
-    from ..store import KVStore
 
 _CHUNK = 16  # pages fetched per read transaction between two takes of the lock
 log = logging.getLogger(__name__)
@@ -49,7 +47,7 @@ class Prefetch:
 class Prefetcher:
     """One daemon thread per store, started on the first request."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: StoreCore) -> None:
         self._store = store
         self._jobs: queue.Queue[Prefetch | None] = queue.Queue()
         self._thread: threading.Thread | None = None

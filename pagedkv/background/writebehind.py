@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..core import StoreCore
 from ..storage.codec import encode_spill, page_checksum
 from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, REC_STALE, SPILLED
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
-
-if TYPE_CHECKING:
-    from ..store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,7 @@ log = logging.getLogger(__name__)
 class WriteBehind:
     """The background evictor of one store."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: StoreCore) -> None:
         self._store = store
         self.low_water = 0  # set by attach() once the manager exists
         self._wake = threading.Event()

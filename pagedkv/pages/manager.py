@@ -26,7 +26,7 @@ from ..storage.pool import PagePool
 from .prefix import PrefixIndex
 from .restore import restore
 from ..storage.spill import SpillStore, uid_key
-from ..stats import Stats
+from ..counters import Stats
 
 log = logging.getLogger(__name__)
 

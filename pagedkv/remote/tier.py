@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..core import StoreCore
 from ..errors import PageCorrupt, PagedKVError, PoolExhausted
 from ..pages.directory import HASHED, NOWHERE
 from ..pages.prefix import ROOT, chain_hash, seal, write_tokens
@@ -29,9 +30,6 @@ from .config import RemoteConfig
 from .counters import GAUGES, STATE_KEY, Counters
 from .publish import Item, Publisher
 
-if TYPE_CHECKING:
-    from ..store import KVStore
-
 log = logging.getLogger("pagedkv.remote")
 _ENVELOPE_BYTES = 256  # above the envelope and record header of any page
 
@@ -39,7 +37,7 @@ _ENVELOPE_BYTES = 256  # above the envelope and record header of any page
 class RemoteTier:
     """The remote tier of one open store (see ``attach``)."""
 
-    def __init__(self, store: KVStore, config: RemoteConfig) -> None:
+    def __init__(self, store: StoreCore, config: RemoteConfig) -> None:
         model = store.model
         if store.readonly:
             raise PagedKVError("remote= needs a writable store: a read-only handle cannot take fetched pages")
@@ -292,6 +290,6 @@ class RemoteTier:
             self.client.close()
 
 
-def attach(store: KVStore, remote: Any) -> RemoteTier:
+def attach(store: StoreCore, remote: Any) -> RemoteTier:
     """The remote tier of ``store`` for ``remote`` (a URL or a ``RemoteConfig``)."""
     return RemoteTier(store, RemoteConfig.of(remote))

@@ -1,0 +1,199 @@
+"""The state of an open store, below every module that works on it.
+
+``StoreCore`` holds what one store handle owns (the block manager, the loaded
+sequences, the lock, the commit state, the handle's health) and the checks each
+operation starts with. The data paths (datapath, step, check) and the background
+threads take a ``StoreCore``; ``KVStore`` (store.py) builds the public API on it.
+Nothing here imports those modules, so the store level has no import cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from typing import Any, Callable, Protocol, TypeVar
+
+import lmdb
+
+from .errors import (ReadOnlyStore, SequenceBusy, SequenceNotFound, StoreClosed, StoreCorrupt, StoreFull,
+                     StoreIOError)
+from .geometry import Geometry
+from .options import StoreOptions
+from .pages import persist
+from .pages.manager import BlockManager
+from .pages.prefix import make_salt
+from .pages.sequence import SeqId, Sequence, seq_key
+from .counters import Stats
+from .storage.pool import PagePool
+from .storage.spill import SpillStore, lmdb_error
+
+__all__ = ["StoreCore", "ActiveStep", "_op"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("pagedkv.store")
+
+
+def _op(write: bool) -> Callable[[F], F]:
+    """Serialise a public operation on the store lock and check the handle is usable."""
+
+    def wrap(fn: F) -> F:
+        def inner(self: StoreCore, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._usable(write)
+                try:
+                    return fn(self, *args, **kwargs)
+                except lmdb.Error as exc:
+                    error = lmdb_error(exc, fn.__name__)
+                    if not self.readonly:
+                        self._poisoned = str(error)
+                    raise error from None
+                except (StoreIOError, StoreFull) as exc:
+                    # Reads evict and restore too: any failed I/O leaves memory ahead of
+                    # (or behind) disk, so the handle stops; the last commit is intact.
+                    if not self.readonly and not getattr(exc, "recoverable", False):
+                        self._poisoned = str(exc)
+                    raise
+
+        inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+class ActiveStep(Protocol):
+    """What the store needs of a step while it is active (``pagedkv.Step`` is one)."""
+
+    members: frozenset[Sequence]
+
+    def length_before(self, seq: Sequence) -> int:
+        """The length ``seq`` had when the step began (its new tokens are not written yet)."""
+        ...
+
+
+class StoreCore:
+    """The state of one open store handle, and the checks every operation starts with."""
+
+    def __init__(self, path: str, pool: PagePool, spill: SpillStore, superblock: dict[str, Any],
+                 options: StoreOptions, lock: Any) -> None:
+        self.path = path
+        self.geometry: Geometry = pool.geom
+        self.pool_pages = pool.pool_pages
+        self.durability = options.durability
+        self.readonly = readonly = options.readonly
+        self.uuid = pool.uuid.hex()
+        self.superblock = superblock
+        self._pool_file, self._spill, self._writer_lock = pool, spill, lock
+        self._lock = threading.RLock()
+        self._no_steps = threading.Condition(self._lock)
+        self._active_steps: dict[int, int] = {}  # thread id -> steps it has open
+        self._stats = Stats()
+        self._options = options
+        self._mgr = self._new_manager()
+        self.model: str | None = superblock.get("model")
+        self.spill_limit_bytes = options.spill_limit
+        self.spill_codec = options.spill_codec
+        self._dirty: dict[bytes, Sequence] = {}  # block tables the next commit writes
+        self._dropped: set[bytes] = set()  # keys of block tables the next commit deletes
+        self._table_epoch = 0  # bumped by every block-table change outside a step
+        self._batch: Any = None  # the last step's block table (see step.py)
+        self._busy: dict[int, ActiveStep] = {}  # every active step (its sequences are ``members``)
+        self._closed = False
+        self._poisoned: str | None = None  # why an I/O failure stopped this handle's writes
+        self._pid = os.getpid()
+        tables, self._state, self._damage = self._load(writer=not readonly)
+        self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
+
+    def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
+        """The committed state; a writer rewrites a format-1 store's metadata sealed."""
+        sealed = self.superblock["format"] >= persist.SEALED_FORMAT
+        try:
+            loaded = persist.load(self._mgr, writer=writer, sealed=sealed)
+            if writer:
+                self._log_recovery()
+            if writer and not sealed:
+                persist.upgrade(self._mgr, self.superblock)
+                log.info("%s: upgraded from format 1: its metadata was rewritten sealed (format %d), "
+                         "in one transaction", self.path, self.superblock["format"])
+            return loaded
+        except lmdb.Error as exc:
+            raise lmdb_error(exc, f"cannot load {self.path}") from None
+        except (struct.error, ValueError, OverflowError) as exc:  # hostile bytes in metadata
+            raise StoreCorrupt(f"{self.path}: metadata is malformed ({exc})") from None
+
+    def _log_recovery(self) -> None:
+        """Say what a writer's open found left over by an interrupted writer (collected from now on)."""
+        mgr = self._mgr
+        if mgr.doomed:
+            log.info("%s: %d stray spill records (%d bytes), left by a writer that stopped before "
+                     "committing, are deleted by the next write", self.path, len(mgr.doomed),
+                     sum(nbytes for _, nbytes in mgr.doomed))
+        if mgr.zombies:
+            log.info("%s: %d committed pages no sequence references are collected at the next commit",
+                     self.path, len(mgr.zombies))
+
+    def _new_manager(self) -> BlockManager:
+        pool, options, superblock = self._pool_file, self._options, self.superblock
+        return BlockManager(pool.geom, pool, self._spill, int.from_bytes(pool.uuid[:8], "little"),
+                            options.durability == "durable", options.evict_batch, self._stats,
+                            make_salt(superblock.get("salt", b""), superblock.get("model")),
+                            options.spill_limit, options.spill_codec)
+
+    def _refresh(self) -> None:
+        """Read-only: take a new snapshot of the store (a live writer has moved on)."""
+        self._spill.refresh()
+        self._mgr = self._new_manager()
+        tables, self._state, self._damage = self._load(writer=False)
+        self._seqs = {seq.seq_id: seq for seq in tables.values()}
+
+    def _usable(self, write: bool) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self.path}: the store is closed")
+        if os.getpid() != self._pid:
+            raise StoreClosed(f"{self.path}: opened in process {self._pid}; reopen it in this one")
+        if self._poisoned and write:
+            raise StoreClosed(f"{self.path}: an earlier I/O failure poisoned this handle "
+                              f"({self._poisoned}); reopen the store")
+        if write and self.readonly:
+            raise ReadOnlyStore(f"{self.path}: opened read-only")
+
+    def _seq(self, seq_id: SeqId) -> Sequence:
+        seq = self._seqs.get(seq_id) if type(seq_id) is str or type(seq_id) is int else None
+        if seq is None:
+            seq_key(seq_id)  # a typed error for an id of the wrong kind
+            if isinstance(seq_id, (str, int)):  # a subclass names the same sequence
+                seq = self._seqs.get(str(seq_id) if isinstance(seq_id, str) else int(seq_id))
+        if seq is None:
+            raise SequenceNotFound(f"no sequence {seq_id!r}")
+        return seq
+
+    def _idle_seq(self, seq_id: SeqId) -> Sequence:
+        seq = self._seq(seq_id)
+        self._check_idle(frozenset((seq,)))
+        return seq
+
+    def _check_idle(self, seqs: frozenset[Sequence]) -> None:
+        """Raise ``SequenceBusy`` if any of ``seqs`` is part of an active step."""
+        for step in self._busy.values():
+            if not seqs.isdisjoint(step.members):
+                busy = next(seq for seq in seqs if seq in step.members)
+                raise SequenceBusy(f"sequence {busy.seq_id!r} is in an active step")
+
+    def _written(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V are written: an active step's new tokens count once it ends.
+
+        Inside a step the engine has not necessarily written its tokens yet, and
+        the slots it will write hold whatever a recycled page left there.
+        """
+        for step in self._busy.values():
+            if seq in step.members:
+                return step.length_before(seq)
+        return seq.length
+
+    def _wait_no_steps(self, what: str) -> None:
+        if self._active_steps.get(threading.get_ident()):
+            raise SequenceBusy(f"{what} inside an active step of this thread")
+        while self._active_steps:
+            self._no_steps.wait()
