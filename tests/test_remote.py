@@ -13,10 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 import pagedkv
-from kits.redisserver import redis_clean, redis_cluster, redis_server  # noqa: F401  (fixtures)
 from pagedkv.remote import RemoteConfig, parse_url
 from pagedkv.remote import record
 from support import GEOM, kv, same_bits
+
+pytest_plugins = ("kits.redisserver",)  # its redis_server, redis_clean, redis_cluster fixtures
 
 HOST = Path(__file__).resolve().parent / "kits" / "remotehost.py"
 PROMPT = 2000  # tokens: 500 pages of 4; create() reuses (2000 - 1) // 4 = 499 of them

@@ -22,9 +22,11 @@ import redis
 from click.testing import CliRunner
 
 import pagedkv
-from kits.redisserver import RedisServer, redis_clean, redis_server, replica_of  # noqa: F401
+from kits.redisserver import RedisServer, replica_of
 from pagedkv.remote import RemoteConfig, record
 from support import GEOM, engine_write, kv, same_bits
+
+pytest_plugins = ("kits.redisserver",)  # its redis_server, redis_clean, redis_cluster fixtures
 
 SLACK = 0.5  # seconds of scheduling noise on a shared machine, beyond the configured timeouts
 MODEL = "llama-3-8b@abc"

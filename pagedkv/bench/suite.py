@@ -1,4 +1,4 @@
-"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8 of PERFORMANCE.md and B9 (prefetch).
+"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8 of PERFORMANCE.md, B9 (prefetch), B10 (remote tier).
 
 Every figure with a reference is a ratio measured in one process, interleaved
 with its reference (A B A B ..., median of the per-pair ratios), because absolute
@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 from .churn import b4_churn
 from .prefetch import b9_prefetch
+from .remote import b10_remote
 from .data import b1_prefill, b3_read
 from .mem import b8_memory
 from .meta import b2_step, b5_seed, b6_reopen, b7_commit
@@ -43,6 +44,8 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "B7": ("commit after a 256-sequence decode step vs a bare LMDB commit", b7_commit),
     "B8": ("anonymous memory per page of metadata", b8_memory),
     "B9": ("decode loop over spilled sequences with prefetch one step ahead vs without", b9_prefetch),
+    "B10": ("remote tier: fetch from Redis vs raw redis-py GETs; a reused prompt on host B vs computing it",
+            b10_remote),
 }
 
 
@@ -65,7 +68,7 @@ def run(scenarios: list[str] | None = None, quick: bool = False, seed: int = 0, 
     """Run the scenarios (all when None) and return their rows.
 
     Params:
-        scenarios: ids such as ["B1", "B4"]; None runs all (B1-B9).
+        scenarios: ids such as ["B1", "B4"]; None runs all (B1-B10).
         quick: small sizes for CI (the whole suite in well under a minute).
         seed: seeds every random choice (contents, prompt lengths, access orders).
         workdir: parent directory of the temporary stores (default: the system
