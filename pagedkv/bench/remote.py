@@ -232,7 +232,8 @@ class _Layer:
         scale = 1.0 / np.sqrt(self.hidden)
 
         def weight(rows: int, cols: int) -> np.ndarray:
-            return (rng.standard_normal((rows, cols), np.float32) * scale).astype(np.float32)
+            out: np.ndarray = rng.standard_normal((rows, cols), np.float32) * np.float32(scale)
+            return out
 
         self.wq, self.wk, self.wv = weight(self.hidden, self.hidden), weight(self.hidden, kv_width), \
             weight(self.hidden, kv_width)

@@ -170,7 +170,8 @@ class RemoteClient:
             from redis.cluster import ClusterNode, RedisCluster
 
             # A refused or unreachable node must fail this operation, not be retried for seconds.
-            return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in url.hosts],
+            nodes = [ClusterNode(host, port) for host, port in url.hosts]  # type: ignore[no-untyped-call]
+            return RedisCluster(startup_nodes=nodes,
                                 require_full_coverage=False, **common)
         if url.unix_path is not None:
             common.pop("ssl", None)
@@ -194,11 +195,9 @@ class RemoteClient:
                 health.down_until = max(health.down_until, now + health.backoff)
                 health.backoff = min(health.backoff * 2, self.config.backoff_max)
                 health.failing = True
-            if kind != "refused" or not write_refusal(exc):
-                # The connection may hold half an answer: the next try starts a new one.
-                broken = self._clients.pop(role, None)
-            else:
-                broken = None
+            # The connection may hold half an answer: the next try starts a new one. A refused
+            # write left it clean.
+            broken = None if write_refusal(exc) else self._clients.pop(role, None)
             first = not self._outage
             self._outage = True
         if broken is not None:

@@ -45,7 +45,7 @@ def require_redis() -> tuple[str, str]:
     return found
 
 
-def free_port(avoid: set[int] = frozenset(), bus: bool = False) -> int:  # type: ignore[assignment]
+def free_port(avoid: frozenset[int] = frozenset(), bus: bool = False) -> int:
     """A loopback TCP port free now (and ``port + 10000`` too for a cluster node's bus)."""
     while True:
         with socket.socket() as probe:
