@@ -16,7 +16,7 @@ import numpy as np
 from .core import StoreCore
 from .storage.codec import page_checksum
 from .errors import PageCorrupt
-from .pages.manager import REC_CURRENT
+from .pages.directory import REC_CURRENT
 from .pages.sequence import SeqId
 from .storage.spill import key_uid
 from .pages.restore import read_record

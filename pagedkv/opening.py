@@ -24,6 +24,7 @@ from .storage.pool import MAGIC, PagePool
 from .storage.spill import SpillStore, remove_compaction_copies
 from .storage.codecs import CODECS
 from .store import DURABILITY, KVStore, StoreOptions
+from .remote import RemoteConfig
 
 POOL_FILE, SPILL_DIR, LOCK_FILE = "pool.bin", "spill", "LOCK"
 
@@ -126,8 +127,6 @@ def open_store(path: str | os.PathLike[str], geometry: Geometry | None = None,
     if write_behind is None:
         write_behind = os.environ.get("PAGEDKV_WRITE_BEHIND", "") == "1"
     if remote is not None:
-        from .remote import RemoteConfig
-
         remote = RemoteConfig.of(remote)  # a bad URL is refused before the store is touched
     opts = StoreOptions(geometry, pool_pages, durability, readonly, evict_batch, map_size, model,
                         allow_model_change, spill_limit_bytes, spill_codec, bool(write_behind), remote)

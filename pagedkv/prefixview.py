@@ -28,6 +28,7 @@ import numpy as np
 from .errors import PagedKVError
 from .pages.prefix import ROOT, TOKEN_DTYPE, chain_hash, make_salt
 from .store import KVStore
+from .opening import open_store
 
 __all__ = ["PrefixView", "ROOT", "store_salt"]
 
@@ -78,8 +79,6 @@ class PrefixView:
         Raises the errors of ``pagedkv.open(path, readonly=True)``; ``StoreLocked``
         if this very process holds the writer (take ``of_store`` of that handle).
         """
-        from .opening import open_store
-
         store = open_store(path, readonly=True)
         try:
             return cls.of_store(store)

@@ -19,6 +19,7 @@ from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
 from .pages.prefix import as_token_ids, seal, write_tokens
 from .pages.sequence import SeqId, Sequence
+from .pages.directory import HAS_TOKENS
 
 
 class Step:
@@ -305,8 +306,6 @@ def _pin(mgr: Any, step: Step, slot: int) -> None:
 def _inplace_tokens(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                     pids: np.ndarray, offsets: np.ndarray) -> None:
     """Token ids of tokens written into existing last pages (only where ids are involved)."""
-    from .pages.manager import HAS_TOKENS
-
     mgr = store._mgr
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
     for index in np.flatnonzero(with_ids | bool(step.token_ids)).tolist():

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core import StoreCore
 from ..errors import PageCorrupt, PoolExhausted
-from ..pages.manager import REC_CURRENT
+from ..pages.directory import REC_CURRENT
 from ..pages.sequence import SeqId
 from ..pages.restore import fetch_record
 

@@ -33,6 +33,7 @@ from ..demo.kvgen import DemoFailed
 from ..storage.lockfile import lock_holder
 from ..opening import open_store
 from ..snapshot import LOCK_FILE, SnapshotUnavailable, open_snapshot, require_store_dir
+from .. import metrics
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE, EXIT_LOCKED, EXIT_NOT_STORE = 0, 1, 2, 3, 4
 EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE = 70, 130, 141
@@ -556,8 +557,6 @@ def stats(path: str, prometheus: bool, as_json: bool) -> None:
         raise click.UsageError("--prometheus and --json cannot be combined")
     with open_snapshot(path, live=True) as snap:
         if prometheus:
-            from .. import metrics  # noqa: PLC0415 - only this form needs it
-
             _echo_out(metrics.prometheus_text(snap.store).rstrip("\n"))
             return
         values = dict(snap.store.stats())

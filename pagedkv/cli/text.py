@@ -15,6 +15,8 @@ import json
 import shlex
 from typing import Any, Mapping
 
+from ..remote.report import remote_text
+
 MAP_GUTTER = 10  # characters before each row of the pool map (the slot number)
 
 
@@ -223,8 +225,6 @@ def summary_text(info: dict[str, Any]) -> str:
         ("writer", writer_text),
     ]
     if info.get("remote"):
-        from ..remote.report import remote_text
-
         items.insert(-2, ("remote tier", remote_text(info["remote"])))
     notes = "".join(f"\nnote: {one_line(note)}" for note in info["notes"])
     notes += "".join(f"\nwarning: {one_line(warning)}" for warning in info["warnings"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..pages.manager import HASHED, REC_NONE
+from ..pages.directory import HASHED, REC_NONE
 from ..snapshot import Snapshot
 from ..storage.codecs import CODECS
 

@@ -20,7 +20,7 @@ from .cachereport import cached_mask, lifetime, prefix_cache, spill_codecs
 from ..check import Problem, stray_problems
 from ..storage.codec import decode_record, page_checksum
 from ..errors import PageCorrupt, PagedKVError, SequenceNotFound
-from ..pages.manager import HASHED, REC_NONE
+from ..pages.directory import HASHED, REC_NONE
 from ..pages.sequence import SeqId, Sequence
 from ..snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta
 from ..storage.spill import uid_key

@@ -13,18 +13,18 @@ transaction of their own.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import faults
 from ..storage.codec import encode_spill, page_checksum
-from ..errors import StoreFull
+from ..errors import PoolExhausted, StoreFull
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
+from .directory import NOWHERE, REC_CURRENT, REC_NONE, SPILLED
+from .table import PageTable
 
-if TYPE_CHECKING:
-    from .manager import BlockManager
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,19 @@ class _Plan:
         self.removed = 0
 
 
-def evict(mgr: BlockManager, count: int, need: int | None = None) -> int:
+def take_slots(mgr: PageTable, count: int) -> list[int]:
+    """``count`` free slots, evicting least-recently-used pages in batches as needed."""
+    while len(mgr.free_slots) < count:
+        need = count - len(mgr.free_slots)
+        if not evict(mgr, max(need, mgr.evict_batch), need) and len(mgr.free_slots) < count:
+            raise PoolExhausted(f"need {count} free slots, {len(mgr.free_slots)} free and every other slot pinned")
+    taken = [mgr.free_slots.pop() for _ in range(count)]
+    if mgr.on_take is not None:
+        mgr.on_take()
+    return taken
+
+
+def evict(mgr: PageTable, count: int, need: int | None = None) -> int:
     """Free up to ``count`` unpinned slots, LRU first; return how many were freed.
 
     Under a spill cap a full batch may not fit where the ``need`` slots the
@@ -61,8 +73,7 @@ def evict(mgr: BlockManager, count: int, need: int | None = None) -> int:
         return _evict(mgr, need, strict=False)
 
 
-def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
-    from .manager import REC_CURRENT, REC_NONE, SPILLED
+def _evict(mgr: PageTable, count: int, strict: bool) -> int:
 
     victims = _choose(mgr, count)
     if not victims:
@@ -129,20 +140,19 @@ def _evict(mgr: BlockManager, count: int, strict: bool) -> int:
     return len(victims)
 
 
-def _forget_dropped(mgr: BlockManager, plan: _Plan) -> None:
+def _forget_dropped(mgr: PageTable, plan: _Plan) -> None:
     """After the transaction that deleted them: the dropped cache pages leave memory."""
     for pid in plan.dropped:
         mgr.forget(pid)
     mgr.stats.add("cache_drops", len(plan.dropped))
 
 
-def _settle(mgr: BlockManager, spilled: list[tuple[int, int, int]]) -> None:
+def _settle(mgr: PageTable, spilled: list[tuple[int, int, int]]) -> None:
     """After the commit: the spilled pages leave their slots, which become free.
 
     Column-wise for the whole batch: a victim's pid is unique to it (a page is
     resident in one slot, and a slot kept for committed bytes holds a freed page).
     """
-    from .manager import REC_CURRENT, SPILLED
 
     if not spilled:
         return
@@ -161,7 +171,7 @@ def _settle(mgr: BlockManager, spilled: list[tuple[int, int, int]]) -> None:
     mgr.free_slots.extend(slots.tolist())
 
 
-def _choose(mgr: BlockManager, count: int) -> list[int]:
+def _choose(mgr: PageTable, count: int) -> list[int]:
     """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
     idle = (mgr.pins == 0) & (mgr.bg_pins == 0)
     reclaim = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0) & idle)
@@ -172,8 +182,7 @@ def _choose(mgr: BlockManager, count: int) -> list[int]:
     return np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
 
 
-def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, csum: int) -> None:
-    from .manager import NOWHERE
+def _put_record(mgr: PageTable, plan: _Plan, slot: int, pid: int, fill: int, csum: int) -> None:
 
     uid = int(mgr.uid[pid])
     record, used, decoded = encode_spill(mgr.geom, uid, fill, csum, mgr.pool[slot], mgr.spill_codec,
@@ -190,7 +199,7 @@ def _put_record(mgr: BlockManager, plan: _Plan, slot: int, pid: int, fill: int, 
     plan.removed += int(mgr.rec_bytes[pid])
 
 
-def _enforce_cap(mgr: BlockManager, plan: _Plan, strict: bool) -> None:
+def _enforce_cap(mgr: PageTable, plan: _Plan, strict: bool) -> None:
     """Make room under the cap: redundant records first, then LRU cache-only pages.
 
     The cap is never exceeded by more than the batch being written.
@@ -230,14 +239,13 @@ def _enforce_cap(mgr: BlockManager, plan: _Plan, strict: bool) -> None:
             "of live (or not yet committed) sequences remain; raise spill_limit_bytes or commit")
 
 
-def _repoint(mgr: BlockManager, plan: _Plan, spilling: set[int], projected: int, limit: int) -> int:
+def _repoint(mgr: PageTable, plan: _Plan, spilling: set[int], projected: int, limit: int) -> int:
     """Free the records of restored pages: the committed directory moves to their slots.
 
     A restored page keeps its record until the next commit; under the cap that
     copy is the first thing to go. Its slot is flushed first, so the directory
     never points at bytes that are not durable.
     """
-    from .manager import NOWHERE, REC_NONE, SPILLED
 
     rows = np.flatnonzero(mgr.live & (mgr.slot >= 0) & (mgr.rec != REC_NONE))
     flush = []
@@ -262,7 +270,7 @@ def _repoint(mgr: BlockManager, plan: _Plan, spilling: set[int], projected: int,
     return projected
 
 
-def _unplan(mgr: BlockManager, plan: _Plan, item: tuple[int, int, int]) -> int:
+def _unplan(mgr: PageTable, plan: _Plan, item: tuple[int, int, int]) -> int:
     """Take a victim out of the batch; return the stored bytes that saves."""
     slot, pid, nbytes = item
     plan.spilled.remove(item)
@@ -275,9 +283,8 @@ def _unplan(mgr: BlockManager, plan: _Plan, item: tuple[int, int, int]) -> int:
     return nbytes - int(mgr.rec_bytes[pid])
 
 
-def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
+def _drop(mgr: PageTable, plan: _Plan, pid: int) -> int:
     """Plan to forget a cache-only page entirely; return the spill bytes it frees."""
-    from .manager import NOWHERE, REC_NONE
 
     key = uid_key(int(mgr.uid[pid]))
     freed = 0
@@ -292,7 +299,7 @@ def _drop(mgr: BlockManager, plan: _Plan, pid: int) -> int:
     return freed
 
 
-def drop_cache(mgr: BlockManager, max_bytes: int | None) -> dict[str, int]:
+def drop_cache(mgr: PageTable, max_bytes: int | None) -> dict[str, int]:
     """Drop least recently used cache-only pages until their records take at most ``max_bytes``.
 
     ``KVStore.clear_cache``. The candidates are ``droppable()`` pages, resident
@@ -311,7 +318,7 @@ def drop_cache(mgr: BlockManager, max_bytes: int | None) -> dict[str, int]:
     return _drop_now(mgr, order, "clear cache")
 
 
-def enforce_cap_at_open(mgr: BlockManager) -> dict[str, int]:
+def enforce_cap_at_open(mgr: PageTable) -> dict[str, int]:
     """Bring a store whose records exceed a (lowered) ``spill_limit_bytes`` under it at once.
 
     Spilled cache-only pages go, oldest first, until the records fit; resident
@@ -338,13 +345,12 @@ def enforce_cap_at_open(mgr: BlockManager) -> dict[str, int]:
     return dropped
 
 
-def _oldest_first(mgr: BlockManager, pids: np.ndarray) -> list[int]:
+def _oldest_first(mgr: PageTable, pids: np.ndarray) -> list[int]:
     return sorted(pids.tolist(), key=mgr.last_use)
 
 
-def _cut(mgr: BlockManager, order: list[int], excess: int) -> int:
+def _cut(mgr: PageTable, order: list[int], excess: int) -> int:
     """How many of ``order`` must go for their records to free ``excess`` bytes (all, if they cannot)."""
-    from .manager import REC_NONE
 
     freed = 0
     for count, pid in enumerate(order):
@@ -355,7 +361,7 @@ def _cut(mgr: BlockManager, order: list[int], excess: int) -> int:
     return len(order)
 
 
-def _drop_now(mgr: BlockManager, pids: list[int], what: str) -> dict[str, int]:
+def _drop_now(mgr: PageTable, pids: list[int], what: str) -> dict[str, int]:
     """Forget cache-only pages ``pids`` in one transaction of their own (see ``drop_cache``)."""
     if mgr.wait_background is not None:
         mgr.wait_background()

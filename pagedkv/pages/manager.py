@@ -1,32 +1,22 @@
-"""The block manager: slots, LRU, pins, eviction to spill and restore, over the page directory.
+"""The block manager: allocation, references, copy-on-write and residency of pages.
 
-The directory (``directory.py``) is a set of numpy columns indexed by a dense,
-recycled row id (``pid``); a page's public identity is its ``uid``. Two views of
-placement are kept: the live one (``slot``) and the committed one
-(``c_where``: what the last LMDB transaction says). A slot is reusable only when
-neither view references it, which is what keeps committed bytes from being
-overwritten before a commit has moved them (see ``persist.py`` for the commit).
+Its verbs are what the store level calls: ``new_page``/``new_pages``,
+``copy_page``, ``incref``/``decref``, ``take_slots``, ``ensure_resident`` and
+``evict``; the state they change is the page table's (``table.py``), eviction
+and restore are ``evict.py`` and ``restore.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import numpy as np
 
-from ..storage.codec import page_checksum
-from .directory import (CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE,
-                        SPILLED, Directory)
-from ..errors import PageCorrupt, PoolExhausted
-from .evict import evict as evict_batch
-from ..geometry import Geometry
-from ..storage.metarecord import TAG_TOKENS, dir_value, unseal
-from ..storage.pool import PagePool
-from .prefix import PrefixIndex
+from ..errors import PageCorrupt
+from . import evict as evict_mod
+from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, SPILLED
 from .restore import restore
-from ..storage.spill import SpillStore, uid_key
-from ..counters import Stats
+from .table import PageTable
 
 log = logging.getLogger(__name__)
 
@@ -34,48 +24,8 @@ __all__ = ["BlockManager", "CODEC_SHIFT", "HAS_TOKENS", "HASHED", "NOWHERE", "RE
            "REC_NONE", "REC_STALE", "SPILLED"]
 
 
-class BlockManager(Directory):
+class BlockManager(PageTable):
     """Owns every page: where it lives, who references it, and when it is evicted."""
-
-    def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
-                 sync: bool, evict_batch: int, stats: Stats, salt: bytes,
-                 spill_limit: int | None = None, spill_codec: str = "raw") -> None:
-        self.geom = geom
-        self.pool = pool.array
-        self.pool_file = pool
-        self.spill = spill
-        self.seed = seed
-        self.sync = sync
-        self.stats = stats
-        self.pool_pages = pool.pool_pages
-        # A batch amortises one synced transaction over many pages, but never empties
-        # a small pool in one go.
-        self.evict_batch = max(1, min(evict_batch, self.pool_pages // 4))
-        self.tick = 0
-        self._init_directory(max(64, self.pool_pages), geom.page_size)
-        self.slot_pid = np.full(self.pool_pages, -1, np.int64)
-        self.slot_cpid = np.full(self.pool_pages, -1, np.int64)
-        self.stamp = np.zeros(self.pool_pages, np.int64)
-        self.pins = np.zeros(self.pool_pages, np.int32)
-        self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))
-        self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
-        self.evict_epoch = 0  # bumped whenever resident pages leave the pool
-        self.zombies: list[int] = []  # freed pids that the last commit still records
-        self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
-        self.prefix = PrefixIndex(salt, geom.page_size)
-        self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
-        self.tokens_seen = False  # whether any page was ever given token ids (HAS_TOKENS)
-        self.spill_bytes = 0  # bytes of page records in LMDB
-        self.spill_limit = spill_limit
-        self.spill_codec = spill_codec
-        self.on_take: Callable[[], None] | None = None  # write-behind's low-water check
-        self.on_seal: Callable[[int, int], None] | None = None  # the remote tier: (page, parent) just hashed
-        # Write-behind's batch in flight: its pins, and a wait for it to land. Every
-        # foreground LMDB write waits first, so no commit falls between its steps.
-        self.bg_pins = np.zeros(self.pool_pages, np.int32)
-        self.wait_background: Callable[[], None] | None = None
-        self.sealed = True  # committed metadata carries checksums (false while format 1 loads)
-        self.pool_exposed = False  # whether store.pool was handed out (anyone may write it since)
 
     # -- allocation --------------------------------------------------------
     def new_page(self) -> int:
@@ -131,34 +81,6 @@ class BlockManager(Directory):
         self.stats.add("cow_copies")
         return dst
 
-    def _place(self, pid: int, slot: int) -> None:
-        self.slot[pid] = slot
-        self.slot_pid[slot] = pid
-        self.tick += 1
-        self.stamp[slot] = self.tick
-        self.chg[pid] = True
-        self.dirty_slot[slot] = True
-
-    def mark_written(self, pid: int, fill: int) -> None:
-        """Record that ``pid``'s bytes changed and now hold ``fill`` tokens."""
-        self.fill[pid] = fill
-        self.gen[pid] += 1
-        self.csum_ok[pid] = False
-        if self.rec[pid] == REC_CURRENT:
-            self.rec[pid] = REC_STALE
-        self.chg[pid] = True
-        self.dirty_slot[self.slot[pid]] = True
-
-    def mark_written_many(self, pids: np.ndarray, fills: np.ndarray) -> None:
-        """``mark_written`` for many distinct resident pages at once."""
-        self.fill[pids] = fills
-        self.gen[pids] += 1
-        self.csum_ok[pids] = False
-        rec = self.rec[pids]
-        self.rec[pids] = np.where(rec == REC_CURRENT, REC_STALE, rec)
-        self.chg[pids] = True
-        self.dirty_slot[self.slot[pids]] = True
-
     def incref(self, pids: np.ndarray) -> None:
         """One more reference to each of ``pids`` (duplicates count)."""
         np.add.at(self.ref, pids, 1)
@@ -196,21 +118,7 @@ class BlockManager(Directory):
     # -- residency -----------------------------------------------------------
     def take_slots(self, count: int) -> list[int]:
         """``count`` free slots, evicting least-recently-used pages in batches as needed."""
-        while len(self.free_slots) < count:
-            need = count - len(self.free_slots)
-            if not self.evict(max(need, self.evict_batch), need) and len(self.free_slots) < count:
-                raise PoolExhausted(
-                    f"need {count} free slots, {len(self.free_slots)} free and every other slot pinned"
-                )
-        taken = [self.free_slots.pop() for _ in range(count)]
-        if self.on_take is not None:
-            self.on_take()
-        return taken
-
-    def touch(self, slots: np.ndarray) -> None:
-        """Mark ``slots`` as used now (one tick for the whole call)."""
-        self.tick += 1
-        self.stamp[slots] = self.tick
+        return evict_mod.take_slots(self, count)
 
     def ensure_resident(self, pids: np.ndarray) -> np.ndarray:
         """Restore any of ``pids`` that are spilled; return their slots.
@@ -240,139 +148,7 @@ class BlockManager(Directory):
         self.touch(slots)
         return slots
 
-    def available(self) -> int:
-        """How many slots are free or could be freed now (not pinned)."""
-        return int(self.pool_pages - np.count_nonzero(self.pins))
-
     def evict(self, count: int, need: int | None = None) -> int:
         """Spill up to ``count`` LRU unpinned slots in one transaction; return how many were freed."""
-        return evict_batch(self, count, need)
-
-    def droppable(self) -> np.ndarray:
-        """Cache-only pages that no sequence, committed or live, references and no step pins."""
-        rows = np.flatnonzero(self.live & (self.ref == 0) & (self.c_ref == 0))
-        resident = self.slot[rows] >= 0
-        pinned = np.zeros(len(rows), bool)
-        pinned[resident] = self.pins[self.slot[rows[resident]]] > 0
-        return rows[~pinned]
-
-    def cache_bytes(self) -> int:
-        """Record bytes of cache-only pages (refcount 0), droppable or not."""
-        rows = np.flatnonzero(self.live & (self.ref == 0) & (self.rec != REC_NONE))
-        return int(self.rec_bytes[rows].sum())
-
-    def last_use(self, pid: int) -> int:
-        """The tick of a page's last use (its slot's stamp, or the stamp it was spilled with)."""
-        slot = int(self.slot[pid])
-        return int(self.stamp[slot]) if slot >= 0 else int(self.pstamp[pid])
-
-    def forget(self, pid: int) -> None:
-        """Remove a dropped cache page from memory (its LMDB entries are already gone)."""
-        self.prefix.discard(bytes(self.hash[pid]), pid)
-        slot = int(self.slot[pid])
-        if slot >= 0:
-            self.slot_pid[slot] = -1
-            if self.slot_cpid[slot] == pid:
-                self.slot_cpid[slot] = -1
-            self.free_slots.append(slot)
-            self.slot[pid] = -1
-        self.spill_bytes -= int(self.rec_bytes[pid])
-        self.chg[pid] = False
-        self.page_tokens.pop(pid, None)
-        self._recycle(pid)
-
-    def page_tokens_of(self, pid: int) -> np.ndarray | None:
-        """A page's token ids: from memory, else from the committed tokens table.
-
-        A committed list that fails its checksum (or is malformed) counts as
-        unknown, so it can never confirm a prefix hit.
-        """
-        token_ids = self.page_tokens.get(pid)
-        if token_ids is None and self.flags[pid] & HAS_TOKENS:
-            key = uid_key(int(self.uid[pid]))
-            with self.spill.begin_read() as txn:
-                raw = txn.get(key, db=self.spill.tokens)
-                body = None if raw is None else self.token_body(key, raw)
-            if body is not None and len(body) % 4 == 0 and len(body) <= 4 * self.geom.page_size:
-                token_ids = np.frombuffer(body, dtype="<u4")
-        return token_ids
-
-    def token_body(self, key: bytes, raw: bytes | memoryview) -> bytes | None:
-        """The token ids of a committed tokens value, or None if it fails its checksum."""
-        return unseal(TAG_TOKENS, key, raw, self.seed) if self.sealed else bytes(raw)
-
-    def committed_entry(self, pid: int, where: int, csum: int | None = None,
-                        codec: int | None = None) -> bytes:
-        """Directory value of ``pid``'s committed state at a new placement (and record codec)."""
-        codec = int(self.codec[pid]) if codec is None else codec
-        return dir_value(uid_key(int(self.uid[pid])), where, int(self.c_fill[pid]),
-                         int(self.c_csum[pid]) if csum is None else csum,
-                         int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]),
-                         int(self.parent[pid]), int(self.chain[pid]), self.seed)
-
-    # -- integrity -----------------------------------------------------------
-    def checksum(self, pid: int) -> int:
-        """The checksum of ``pid``'s current content (computed if it changed)."""
-        if not self.csum_ok[pid]:
-            self.csum[pid] = page_checksum(self.pool[self.slot[pid]], int(self.fill[pid]),
-                                           int(self.uid[pid]), self.seed)
-            self.csum_ok[pid] = True
-        return int(self.csum[pid])
-
-    def verify(self, pid: int) -> None:
-        """Check a resident page against its committed checksum once after reopen."""
-        if self.corrupt[pid]:
-            raise PageCorrupt(f"page {int(self.uid[pid])} is corrupt", int(self.uid[pid]))
-        if self.verified[pid]:
-            return
-        actual = page_checksum(self.pool[self.slot[pid]], int(self.fill[pid]),
-                               int(self.uid[pid]), self.seed)
-        if actual != int(self.csum[pid]):
-            self.corrupt[pid] = True
-            self.stats.add("misses")
-            log.warning("page %d: pool slot %d fails its checksum", int(self.uid[pid]), int(self.slot[pid]))
-            raise PageCorrupt(f"page {int(self.uid[pid])}: pool slot {int(self.slot[pid])} "
-                              "fails its checksum", int(self.uid[pid]))
-        self.verified[pid] = True
-
-    def stable_copy(self, pid: int) -> np.ndarray:
-        """A verified copy of a resident page, checked every time.
-
-        For read-only handles: a live writer may reuse the slot at any moment, so
-        the bytes are copied first and the copy is what gets checked and returned.
-        """
-        uid = int(self.uid[pid])
-        if self.corrupt[pid]:
-            raise PageCorrupt(f"page {uid} is corrupt", uid)
-        page = self.pool[self.slot[pid]].copy()
-        if page_checksum(page, int(self.fill[pid]), uid, self.seed) != int(self.csum[pid]):
-            raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} fails its checksum "
-                              "(damaged, or reused by a live writer since this handle opened)", uid)
-        return page
-
-    def verify_committed(self, pids: np.ndarray) -> None:
-        """Check the committed tokens of resident pages ``pids`` against their committed checksum.
-
-        Done on every read, not once, once ``store.pool`` was handed out: it is the
-        engine's to write, and a write through a stale slot mapping lands in
-        whatever page holds that slot now. A handle whose pool no one outside
-        pagedkv holds skips it. Tokens written since the last commit have no
-        checksum yet.
-        """
-        if not self.pool_exposed:
-            return
-        for pid in pids[self.c_where[pids] != NOWHERE].tolist():
-            fill, uid = int(self.c_fill[pid]), int(self.uid[pid])
-            if fill and page_checksum(self.pool[self.slot[pid]], fill, uid, self.seed) != int(self.c_csum[pid]):
-                self.corrupt[pid] = True
-                self.stats.add("misses")
-                log.warning("page %d: pool slot %d no longer holds its committed bytes (a checksum "
-                            "failure: written outside its step?)", uid, int(self.slot[pid]))
-                raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} no longer holds its "
-                                  "committed bytes (written outside its step?)", uid)
-
-    def verify_many(self, pids: np.ndarray) -> None:
-        """``verify`` each page that has not been verified since reopen."""
-        for pid in pids[~self.verified[pids]].tolist():
-            self.verify(pid)
+        return evict_mod.evict(self, count, need)
 

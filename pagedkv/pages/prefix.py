@@ -17,6 +17,7 @@ import xxhash
 
 from ..errors import PagedKVError
 from .rowindex import RowIndex
+from .directory import HAS_TOKENS, HASHED
 
 ROOT = bytes(16)  # parent hash of a sequence's first page
 TOKEN_DTYPE = np.dtype("<u4")
@@ -169,8 +170,6 @@ def match_prefix(mgr: Any, token_ids: np.ndarray, max_pages: int, extend: Extend
 
 def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) -> None:
     """Record the ids of tokens ``[offset, offset + len)`` of a page (None: ids unknown)."""
-    from .directory import HAS_TOKENS
-
     known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
     previous = mgr.page_tokens_of(pid) if offset and known else None
     if token_ids is None or not known or (offset and (previous is None or len(previous) < offset)):
@@ -191,8 +190,6 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     prompt prefilled again) joins that page's chain class, so the pages computed
     after either are found from both; otherwise it starts a class of its own.
     """
-    from .directory import HAS_TOKENS, HASHED
-
     flags = int(mgr.flags[pid])
     if flags & HASHED or not flags & HAS_TOKENS or mgr.fill[pid] != mgr.geom.page_size:
         return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -11,12 +11,12 @@ from .. import faults
 from ..storage.codec import RecordLayout, decode_record, page_checksum, record_layout
 from ..errors import PageCorrupt
 from ..storage.spill import uid_key
+from .evict import take_slots
+from .table import PageTable
 
-if TYPE_CHECKING:
-    from .manager import BlockManager
 
 
-def restore(mgr: BlockManager, pids: np.ndarray) -> None:
+def restore(mgr: PageTable, pids: np.ndarray) -> None:
     """Bring spilled pages back into free slots (evicting as needed); PageCorrupt if one fails."""
     count = len(pids)
     # Under a spill cap, restore a batch at a time: each batch's eviction can then
@@ -28,7 +28,7 @@ def restore(mgr: BlockManager, pids: np.ndarray) -> None:
     try:
         for start in range(0, count, chunk):
             part = pids[start:start + chunk]
-            slots = mgr.take_slots(len(part))
+            slots = take_slots(mgr, len(part))
             filled, failed = _restore_batch(mgr, part, slots)
             bad = bad or failed
             if start + chunk < count:  # only a later batch's eviction could take them
@@ -41,7 +41,7 @@ def restore(mgr: BlockManager, pids: np.ndarray) -> None:
         raise bad
 
 
-def _restore_batch(mgr: BlockManager, pids: np.ndarray,
+def _restore_batch(mgr: PageTable, pids: np.ndarray,
                    slots: list[int]) -> tuple[list[int], PageCorrupt | None]:
     """Restore ``pids`` into ``slots`` in one read transaction; return the slots filled and the first failure.
 
@@ -87,7 +87,7 @@ def _restore_batch(mgr: BlockManager, pids: np.ndarray,
     return filled, bad
 
 
-def read_record(mgr: BlockManager, txn: object, pid: int) -> tuple[np.ndarray, int]:
+def read_record(mgr: PageTable, txn: object, pid: int) -> tuple[np.ndarray, int]:
     """Fetch and validate ``pid``'s spilled record; return a view of its page and its size.
 
     Both the record's own checksum and the directory's (which may cover fewer
@@ -99,12 +99,12 @@ def read_record(mgr: BlockManager, txn: object, pid: int) -> tuple[np.ndarray, i
     return fetch_record(mgr, txn, uid, int(mgr.fill[pid]), int(mgr.csum[pid]))
 
 
-def fetch_record(mgr: BlockManager, txn: object, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
+def fetch_record(mgr: PageTable, txn: object, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
     """``read_record`` for a page known by its uid, fill and checksum (safe off the lock)."""
     return _fetch(mgr, record_layout(mgr.geom), txn, uid, fill, csum)
 
 
-def _fetch(mgr: BlockManager, layout: RecordLayout, txn: Any, uid: int, fill: int, csum: int,
+def _fetch(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: int, csum: int,
            dest: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """The checked page (copied into ``dest`` if given: a free slot) and the record's size."""
     value = txn.get(uid_key(uid), db=mgr.spill.pages)
@@ -127,7 +127,7 @@ def _fetch(mgr: BlockManager, layout: RecordLayout, txn: Any, uid: int, fill: in
     return page, len(value)
 
 
-def _fetch_checked(mgr: BlockManager, value: Any, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
+def _fetch_checked(mgr: PageTable, value: Any, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:
     header, page = decode_record(mgr.geom, value, uid, mgr.seed)
     raw = header["codec"] == "raw"
     # An encoded payload was checked before decoding; a raw one is checked here.

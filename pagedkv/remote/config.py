@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import PagedKVError
 from .url import RemoteURL, parse_url
+from ..storage.codecs import CODECS
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{0,64}$")
 
@@ -41,8 +42,6 @@ class RemoteConfig:
     fetch: bool = True  # consult the tier in create(tokens=...) and lookup()
 
     def __post_init__(self) -> None:
-        from ..storage.codecs import CODECS
-
         self.parsed()  # the URL must parse now, not at the first fetch
         if not _NAME.match(self.namespace) or not self.namespace:
             raise PagedKVError("remote namespace must be 1-64 characters of [A-Za-z0-9_.:-]")
