@@ -24,7 +24,8 @@ import numpy as np
 
 from ..core import StoreCore
 from ..storage.codec import encode_spill, page_checksum
-from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, REC_STALE, SPILLED
+from ..pages import evict
+from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, SPILLED
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
@@ -88,7 +89,7 @@ class WriteBehind:
                 log.error("%s: a write-behind batch failed (%s); the handle is poisoned, the last "
                           "commit is intact", self._store.path, error)
         else:
-            self._apply(victims, written)
+            evict.land_background(self._store._mgr, victims, written)
         self.in_flight = False
         return error
 
@@ -203,55 +204,6 @@ class WriteBehind:
 
         mgr.spill.write(body, "write-behind")
         return written
-
-    def _apply(self, victims: list[dict[str, Any]], written: set[int]) -> None:
-        """Bring memory in line with what the transaction wrote (under the store lock)."""
-        mgr = self._store._mgr
-        freed = 0
-        for v in victims:
-            slot = v["slot"]
-            mgr.bg_pins[slot] -= 1
-            if slot in written:
-                freed += self._landed_page(v)
-            # A page freed during the batch left its slot to us (see BlockManager._free).
-            if mgr.slot_pid[slot] < 0 and mgr.slot_cpid[slot] < 0 and mgr.bg_pins[slot] == 0:
-                mgr.free_slots.append(slot)
-        if freed:
-            mgr.evict_epoch += 1
-            mgr.stats.add("evictions", freed)
-            mgr.stats.add("background_evictions", freed)
-            mgr.stats.add("evict_batches")
-
-    def _landed_page(self, v: dict[str, Any]) -> int:
-        """Account one page the transaction spilled; return 1 if its slot is now free."""
-        mgr = self._store._mgr
-        slot, pid = v["slot"], v["pid"]
-        mine = int(mgr.uid[pid]) == v["uid"] and (mgr.live[pid] or v["entry"] is not None)
-        if not mine:  # freed (and perhaps reused) before it was ever committed
-            if v["record"] is not None:
-                mgr.doomed.append((v["uid"], len(v["record"])))
-                mgr.spill_bytes += len(v["record"])
-            return 0
-        if v["record"] is not None:
-            mgr.spill_bytes += len(v["record"]) - int(mgr.rec_bytes[pid])
-            mgr.rec_bytes[pid], mgr.codec[pid] = len(v["record"]), v["codec"]
-            mgr.rec[pid] = REC_CURRENT
-        if v["entry"] is not None:  # the disk now says "spilled", whatever happens next
-            mgr.c_where[pid], mgr.c_csum[pid] = SPILLED, v["new_c_csum"]
-            if mgr.slot_cpid[slot] == pid:
-                mgr.slot_cpid[slot] = -1
-        if not mgr.live[pid] or int(mgr.slot[pid]) != slot:
-            return 0
-        if int(mgr.gen[pid]) != v["gen"]:
-            mgr.rec[pid] = REC_STALE  # written meanwhile: the record holds an older fill
-            return 0
-        mgr.csum[pid], mgr.csum_ok[pid] = v["csum"], True
-        if mgr.pins[slot]:
-            return 0  # a step uses it now: stays resident, its record is current
-        mgr.pstamp[pid] = mgr.stamp[slot]
-        mgr.slot[pid] = -1
-        mgr.slot_pid[slot] = -1
-        return 1
 
 
 def _spilled_entry(key: bytes, entry: bytes, victim: dict[str, Any], seed: int) -> bytes:

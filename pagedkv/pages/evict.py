@@ -22,7 +22,7 @@ from ..storage.codec import encode_spill, page_checksum
 from ..errors import PoolExhausted, StoreFull
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
-from .directory import NOWHERE, REC_CURRENT, REC_NONE, SPILLED
+from .directory import NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, SPILLED
 from .table import PageTable
 
 
@@ -169,6 +169,60 @@ def _settle(mgr: PageTable, spilled: list[tuple[int, int, int]]) -> None:
     mgr.c_where[pids[committed]] = SPILLED
     mgr.slot_cpid[slots[committed]] = -1
     mgr.free_slots.extend(slots.tolist())
+
+
+def land_background(mgr: PageTable, victims: list[dict[str, Any]], written: set[int]) -> None:
+    """Bring the page table in line with what a write-behind transaction wrote (under the store lock).
+
+    ``victims`` are the batch the write-behind thread planned (slot, pid, uid, gen,
+    record, entry, checksums), ``written`` the slots whose page its transaction spilled.
+    Pages freed, rewritten or pinned meanwhile stay as they are now.
+    """
+    freed = 0
+    for v in victims:
+        slot = v["slot"]
+        mgr.bg_pins[slot] -= 1
+        if slot in written:
+            freed += _landed_page(mgr, v)
+        # A page freed during the batch left its slot to us (see BlockManager._free).
+        if mgr.slot_pid[slot] < 0 and mgr.slot_cpid[slot] < 0 and mgr.bg_pins[slot] == 0:
+            mgr.free_slots.append(slot)
+    if freed:
+        mgr.evict_epoch += 1
+        mgr.stats.add("evictions", freed)
+        mgr.stats.add("background_evictions", freed)
+        mgr.stats.add("evict_batches")
+
+
+def _landed_page(mgr: PageTable, v: dict[str, Any]) -> int:
+    """Account one page a write-behind transaction spilled; return 1 if its slot is now free."""
+    slot, pid = v["slot"], v["pid"]
+    mine = int(mgr.uid[pid]) == v["uid"] and (mgr.live[pid] or v["entry"] is not None)
+    if not mine:  # freed (and perhaps reused) before it was ever committed
+        if v["record"] is not None:
+            mgr.doomed.append((v["uid"], len(v["record"])))
+            mgr.spill_bytes += len(v["record"])
+        return 0
+    if v["record"] is not None:
+        mgr.spill_bytes += len(v["record"]) - int(mgr.rec_bytes[pid])
+        mgr.rec_bytes[pid], mgr.codec[pid] = len(v["record"]), v["codec"]
+        mgr.rec[pid] = REC_CURRENT
+    if v["entry"] is not None:  # the disk now says "spilled", whatever happens next
+        mgr.c_where[pid], mgr.c_csum[pid] = SPILLED, v["new_c_csum"]
+        if mgr.slot_cpid[slot] == pid:
+            mgr.slot_cpid[slot] = -1
+    if not mgr.live[pid] or int(mgr.slot[pid]) != slot:
+        return 0
+    if int(mgr.gen[pid]) != v["gen"]:
+        mgr.rec[pid] = REC_STALE  # written meanwhile: the record holds an older fill
+        return 0
+    mgr.csum[pid], mgr.csum_ok[pid] = v["csum"], True
+    if mgr.pins[slot]:
+        return 0  # a step uses it now: stays resident, its record is current
+    mgr.pstamp[pid] = mgr.stamp[slot]
+    mgr.slot[pid] = -1
+    mgr.slot_pid[slot] = -1
+    return 1
 
 
 def _choose(mgr: PageTable, count: int) -> list[int]:
