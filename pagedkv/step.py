@@ -9,7 +9,7 @@ page of the batch has moved and no block table has changed since.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 
@@ -153,9 +153,11 @@ def begin(store: StoreCore, step: Step) -> None:
     if batch is None or batch.table_epoch != store._table_epoch or batch.seq_ids != step.seq_ids:
         batch = None
         get = store._seqs.get
-        seqs = [get(seq_id) for seq_id in step.seq_ids]
-        if None in seqs or not set(map(type, step.seq_ids)) <= {str, int}:
+        found = [get(seq_id) for seq_id in step.seq_ids]
+        if None in found or not set(map(type, step.seq_ids)) <= {str, int}:
             seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
+        else:
+            seqs = cast("list[Sequence]", found)
         members = frozenset(seqs)
         lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
         npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))

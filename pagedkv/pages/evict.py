@@ -233,7 +233,8 @@ def _choose(mgr: PageTable, count: int) -> list[int]:
     if len(live) > count:
         live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
     live = live[np.argsort(mgr.stamp[live], kind="stable")]
-    return np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
+    chosen: list[int] = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
+    return chosen
 
 
 def _put_record(mgr: PageTable, plan: _Plan, slot: int, pid: int, fill: int, csum: int) -> None:

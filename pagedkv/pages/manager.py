@@ -77,7 +77,9 @@ class BlockManager(PageTable):
         self.mark_written(dst, int(self.fill[src]))
         if self.flags[src] & HAS_TOKENS:
             self.flags[dst] |= HAS_TOKENS
-            self.page_tokens[dst] = self.page_tokens_of(src)
+            tokens = self.page_tokens_of(src)
+            if tokens is not None:  # always, for a page whose ids are known
+                self.page_tokens[dst] = tokens
         self.stats.add("cow_copies")
         return dst
 
@@ -146,7 +148,8 @@ class BlockManager(PageTable):
                 np.subtract.at(self.pins, held, 1)
             slots = self.slot[pids]
         self.touch(slots)
-        return slots
+        resident: np.ndarray = slots
+        return resident
 
     def evict(self, count: int, need: int | None = None) -> int:
         """Spill up to ``count`` LRU unpinned slots in one transaction; return how many were freed."""

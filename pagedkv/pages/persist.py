@@ -219,7 +219,7 @@ def refresh_checksums(mgr: BlockManager, pids: np.ndarray) -> None:
     full = fills == page_size
     if full.any():
         whole, nbytes = np.flatnonzero(full), geom.page_nbytes
-        with memoryview(rows).cast("B") as pool_bytes:
+        with rows.data.cast("B") as pool_bytes:
             values = []
             for at, first in zip((whole * size).tolist(), (slots[whole] * nbytes).tolist()):
                 hasher = xxhash.xxh3_64(ident[at:at + size], seed)
@@ -456,7 +456,7 @@ def _load_rows(mgr: BlockManager, keys: list[bytes], values: list[bytes],
         ok[good] = sealed_ok(TAG_DIR, [keys[i] for i in good], [values[i] for i in good], mgr.seed)
     raw = np.frombuffer(b"".join(values[i][:dtype.itemsize] for i in np.flatnonzero(ok)), dtype)
     rows = np.zeros(len(raw), DIR_DTYPE)
-    for name in DIR_DTYPE_V1.names:
+    for name in DIR_DTYPE_V1.names or ():
         rows[name] = raw[name]
     uids = np.frombuffer(b"".join(keys[i] for i in np.flatnonzero(ok)), dtype=">u8").astype(np.uint64)
     # Format 1 kept no chain class: each hashed page was the first of its own.
@@ -495,7 +495,7 @@ def upgrade(mgr: BlockManager, superblock: dict[str, Any]) -> None:
     for key, value in dbs[spill.dir]:
         old = np.frombuffer(value, DIR_DTYPE_V1)[0]
         new = np.zeros(1, DIR_DTYPE)
-        for name in DIR_DTYPE_V1.names:
+        for name in DIR_DTYPE_V1.names or ():
             new[name] = old[name]
         pid = rows.get(key_uid(key))
         new["chain"] = int(chains[pid]) if pid is not None else 0

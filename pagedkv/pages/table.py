@@ -42,38 +42,40 @@ class PageTable(Directory):
                  sync: bool, evict_batch: int, stats: Stats, salt: bytes,
                  spill_limit: int | None = None, spill_codec: str = "raw") -> None:
         self.geom = geom
-        self.pool = pool.array
+        self.pool = pool.array  # the pool file's pages, one per slot: pool[slot]
         self.pool_file = pool
         self.spill = spill
-        self.seed = seed
-        self.sync = sync
+        self.seed = seed  # the store's: every checksum and seal is bound to it
+        self.sync = sync  # durability="durable": pool slots are flushed before a commit names them
         self.stats = stats
-        self.pool_pages = pool.pool_pages
+        self.pool_pages = pool.pool_pages  # slots
         # A batch amortises one synced transaction over many pages, but never empties
         # a small pool in one go.
         self.evict_batch = max(1, min(evict_batch, self.pool_pages // 4))
-        self.tick = 0
+        self.tick = 0  # the LRU clock: bumped per use, stamps are its values
         self._init_directory(max(64, self.pool_pages), geom.page_size)
-        self.slot_pid = np.full(self.pool_pages, -1, np.int64)
-        self.slot_cpid = np.full(self.pool_pages, -1, np.int64)
-        self.stamp = np.zeros(self.pool_pages, np.int64)
-        self.pins = np.zeros(self.pool_pages, np.int32)
-        self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))
+        # Per slot. A slot is free only when neither the live view (slot_pid) nor the
+        # committed one (slot_cpid) holds it.
+        self.slot_pid = np.full(self.pool_pages, -1, np.int64)  # the page resident there now (-1: none)
+        self.slot_cpid = np.full(self.pool_pages, -1, np.int64)  # the page whose committed bytes it holds
+        self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed as "lru")
+        self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
+        self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))  # taken from the end
         self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
         self.evict_epoch = 0  # bumped whenever resident pages leave the pool
-        self.zombies: list[int] = []  # freed pids that the last commit still records
+        self.zombies: list[int] = []  # rows of freed pages the last commit still records (freed by the next)
         self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
-        self.prefix = PrefixIndex(salt, geom.page_size)
+        self.prefix = PrefixIndex(salt, geom.page_size)  # hashed pages by chained hash
         self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
         self.tokens_seen = False  # whether any page was ever given token ids (HAS_TOKENS)
         self.spill_bytes = 0  # bytes of page records in LMDB
-        self.spill_limit = spill_limit
-        self.spill_codec = spill_codec
+        self.spill_limit = spill_limit  # cap on spill_bytes (None: none)
+        self.spill_codec = spill_codec  # codec of new spill records
         self.on_take: Callable[[], None] | None = None  # write-behind's low-water check
         self.on_seal: Callable[[int, int], None] | None = None  # the remote tier: (page, parent) just hashed
         # Write-behind's batch in flight: its pins, and a wait for it to land. Every
         # foreground LMDB write waits first, so no commit falls between its steps.
-        self.bg_pins = np.zeros(self.pool_pages, np.int32)
+        self.bg_pins = np.zeros(self.pool_pages, np.int32)  # per slot, like pins
         self.wait_background: Callable[[], None] | None = None
         self.sealed = True  # committed metadata carries checksums (false while format 1 loads)
         self.pool_exposed = False  # whether store.pool was handed out (anyone may write it since)
@@ -123,7 +125,8 @@ class PageTable(Directory):
         resident = self.slot[rows] >= 0
         pinned = np.zeros(len(rows), bool)
         pinned[resident] = self.pins[self.slot[rows[resident]]] > 0
-        return rows[~pinned]
+        droppable: np.ndarray = rows[~pinned]
+        return droppable
 
     def cache_bytes(self) -> int:
         """Record bytes of cache-only pages (refcount 0), droppable or not."""
@@ -213,7 +216,7 @@ class PageTable(Directory):
         uid = int(self.uid[pid])
         if self.corrupt[pid]:
             raise PageCorrupt(f"page {uid} is corrupt", uid)
-        page = self.pool[self.slot[pid]].copy()
+        page: np.ndarray = self.pool[self.slot[pid]].copy()
         if page_checksum(page, int(self.fill[pid]), uid, self.seed) != int(self.csum[pid]):
             raise PageCorrupt(f"page {uid}: pool slot {int(self.slot[pid])} fails its checksum "
                               "(damaged, or reused by a live writer since this handle opened)", uid)
