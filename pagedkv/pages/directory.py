@@ -4,14 +4,20 @@ A row id (``pid``) is reused once its page is gone; a page's public identity is
 its ``uid`` (64-bit, never reused). Columns grow in modest steps, a new row is
 reset with one assignment per column, and columns only stores that hash pages
 need cost nothing until then.
+
+Every column is declared once, on ``Directory``, as a ``Column``: its dtype, the
+value a new row starts with and what it holds. Growth, the reset of new rows and
+the sparse columns all read that declaration, and so does a type checker: a
+``Column[np.uint64]`` attribute reads as an ``NDArray[np.uint64]``.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Generic, TypeAlias, TypeVar, overload
 
 import numpy as np
+from numpy.typing import NDArray
 
 NOWHERE = -2  # c_where of a page no commit has recorded
 SPILLED = -1
@@ -19,44 +25,117 @@ REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
 HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
 CODEC_SHIFT = 4  # directory flags bits 4-5: codec of the page's spill record
 
+_Scalar = TypeVar("_Scalar", bound=np.generic)
+_Layout: TypeAlias = "tuple[str, np.dtype[Any], object, bool]"
+_NARROW_MAX = int(np.iinfo(np.uint16).max)  # the largest page size whose fills fit in a uint16
+
+# The fill columns' dtype is chosen at init: uint16 when a page holds fewer than
+# 65,536 tokens (two bytes fewer per row and column), else int32.
+FillScalar: TypeAlias = "np.uint16 | np.int32"
+
+
+class Column(Generic[_Scalar]):
+    """One directory column: its dtype, the value a new row is reset to, and what it holds.
+
+    A non-data descriptor (``__get__`` only): ``Directory._grow`` stores each
+    column's array in the instance, which then shadows the descriptor, so a read
+    costs a plain attribute lookup while a type checker still sees the array's
+    type here. ``sparse`` columns are a zero-stride view of ``default`` until the
+    store hashes its first page; ``narrow`` columns are uint16 when the page
+    size fits (``dtype`` is the wide choice).
+    """
+
+    __slots__ = ("name", "dtype", "default", "meaning", "sparse", "narrow")
+
+    def __init__(self, dtype: type[_Scalar] | np.dtype[_Scalar], default: object, meaning: str, *,
+                 sparse: bool = False, narrow: bool = False) -> None:
+        self.name = ""
+        self.dtype: np.dtype[Any] = np.dtype(dtype)
+        self.default = default
+        self.meaning = meaning
+        self.sparse = sparse
+        self.narrow = narrow
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def dtype_for(self, page_size: int) -> np.dtype[Any]:
+        """The dtype this column gets in a directory of pages of ``page_size`` tokens."""
+        return np.dtype(np.uint16) if self.narrow and page_size <= _NARROW_MAX else self.dtype
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Column[_Scalar]: ...
+
+    @overload
+    def __get__(self, obj: Directory, owner: type | None = None) -> NDArray[_Scalar]: ...
+
+    def __get__(self, obj: Directory | None, owner: type | None = None) -> Column[_Scalar] | NDArray[_Scalar]:
+        if obj is None:
+            return self
+        # Reached only before _init_directory stored the column in the instance.
+        raise AttributeError(f"directory column {self.name!r} is read before the directory is allocated")
+
 
 class Directory:
     """The directory columns and their row allocation (the block manager builds on it)."""
 
-    _COLUMNS: dict[str, tuple[Any, Any]] = {
-        "uid": (np.uint64, 0), "slot": (np.int32, -1), "fill": (np.int32, 0),
-        "csum": (np.uint64, 0), "csum_ok": (np.bool_, True),
-        "verified": (np.bool_, True), "rec": (np.int8, REC_NONE), "live": (np.bool_, False),
-        "corrupt": (np.bool_, False), "c_where": (np.int32, NOWHERE), "c_fill": (np.int32, 0),
-        "c_csum": (np.uint64, 0), "flags": (np.uint8, 0), "c_flags": (np.uint8, 0),
-        "hash": (np.dtype("V16"), b""), "ref": (np.int32, 0), "c_ref": (np.int32, 0),
-        "pstamp": (np.int64, 0), "rec_bytes": (np.int32, 0),
-        "chg": (np.bool_, False),  # the next commit rewrites this page's directory entry
-        "codec": (np.uint8, 0),  # index into spillcodecs.CODECS of the page's record
-        "parent": (np.uint64, 0),  # chain class of the page a hashed page follows (0: first page)
-        "chain": (np.uint64, 0),  # chain class of a hashed page: the uid of the first of its equals
-        "gen": (np.uint32, 0),  # bumped on every write, so background work can tell
-    }
+    # -- the columns, one row per page (c_*: the value as of the last commit) --------------
+    uid = Column(np.uint64, 0, "the page's public identity, never reused: keys its record, tokens "
+                               "and block-table entries")
+    slot = Column(np.int32, -1, "pool slot holding the page's bytes now; -1 when not resident")
+    fill: Column[FillScalar] = Column(np.int32, 0, "tokens the page holds", narrow=True)
+    csum = Column(np.uint64, 0, "checksum of the page's current bytes (valid while csum_ok)")
+    csum_ok = Column(np.bool_, True, "csum is up to date: false from a write until it is recomputed")
+    verified = Column(np.bool_, True, "the resident bytes were checked against csum since the store "
+                                      "opened (or written since)")
+    rec = Column(np.int8, REC_NONE, "the page's spill record: REC_NONE, REC_CURRENT or REC_STALE "
+                                    "(it holds bytes the page has been written past)")
+    live = Column(np.bool_, False, "the row holds a page (false when free, and for a zombie until "
+                                   "the commit that forgets it)")
+    corrupt = Column(np.bool_, False, "the page failed a checksum: unreadable until it is rewritten")
+    c_where = Column(np.int32, NOWHERE, "committed placement: a slot, SPILLED, or NOWHERE if no "
+                                        "commit recorded the page")
+    c_fill: Column[FillScalar] = Column(np.int32, 0, "committed fill", narrow=True)
+    c_csum = Column(np.uint64, 0, "committed checksum (of c_fill tokens)")
+    flags = Column(np.uint8, 0, "HASHED | HAS_TOKENS (the codec lives in its own column)")
+    c_flags = Column(np.uint8, 0, "committed flags")
+    hash: Column[np.void] = Column(np.dtype("V16"), b"", "chained content hash of a full page whose "
+                                   "token ids are known: the prefix index's key", sparse=True)
+    ref = Column(np.int32, 0, "references from live block tables (0: a cache-only page)")
+    c_ref = Column(np.int32, 0, "references from committed block tables")
+    pstamp = Column(np.int64, 0, "the LRU stamp the page's slot had when it went to the spill "
+                                 "store: its last use while not resident")
+    rec_bytes = Column(np.int32, 0, "bytes of the page's spill record in LMDB (0: none)")
+    chg = Column(np.bool_, False, "the next commit rewrites this page's directory entry")
+    codec = Column(np.uint8, 0, "index into storage.codecs.CODECS of the page's spill record")
+    parent = Column(np.uint64, 0, "chain class of the page a hashed page follows (0: first page)",
+                    sparse=True)
+    chain = Column(np.uint64, 0, "chain class of a hashed page: the uid of the first of its equals",
+                   sparse=True)
+    gen = Column(np.uint32, 0, "write generation, bumped on every write: background work that "
+                               "copied a page compares it to see whether the page changed since")
 
-    # Only pages given token ids are hashed; until the first one, these columns are
-    # zero-stride views of their default, so a store that never hashes pays nothing.
-    _SPARSE = ("hash", "parent", "chain")
+    # -- row allocation ----------------------------------------------------------------------
+    next_uid: int  # the uid the next new page gets
+    hashing: bool  # whether the sparse columns have storage of their own yet
+    free_pids: array[int]  # spare rows; a new page takes the last
+    _cap: int  # rows every column holds
+    _layout: tuple[_Layout, ...]  # each column's (name, dtype, default, sparse) at this page size
+    _defaults: list[tuple[NDArray[Any], object]]  # (column, default) a new row is reset with
 
     def _init_directory(self, capacity: int, page_size: int) -> None:
         self.next_uid = 1
         self._cap = 0
         self.hashing = False
-        if page_size <= np.iinfo(np.uint16).max:  # fills fit in two bytes: two fewer per column
-            fill = (np.uint16, 0)
-            self._COLUMNS = {**self._COLUMNS, "fill": fill, "c_fill": fill}
+        self._layout = _LAYOUTS[page_size <= _NARROW_MAX]
         self._grow(capacity)
         # Spare rows as a machine-int array: a list would hold an int object per row.
         self.free_pids = array("q", range(self._cap - 1, -1, -1))
 
     def _grow(self, capacity: int) -> None:
         old = self._cap
-        for name, (dtype, default) in self._COLUMNS.items():
-            if name in self._SPARSE and not self.hashing:
+        for name, dtype, default, sparse in self._layout:
+            if sparse and not self.hashing:
                 column = np.broadcast_to(np.full(1, default, dtype=dtype), (capacity,))
             else:
                 column = np.full(capacity, default, dtype=dtype)
@@ -70,17 +149,17 @@ class Directory:
 
     def _reset_pairs(self) -> None:
         # (column, default) pairs, so a new row is reset without a lookup per column.
-        self._defaults = [(getattr(self, name), default) for name, (_, default) in self._COLUMNS.items()
-                          if self.hashing or name not in self._SPARSE]
+        self._defaults = [(getattr(self, name), default) for name, _, default, sparse in self._layout
+                          if self.hashing or not sparse]
 
     def track_hashes(self) -> None:
         """Give the content-hash columns storage of their own (before the first hashed page)."""
         if self.hashing:
             return
         self.hashing = True
-        for name in self._SPARSE:
-            dtype, default = self._COLUMNS[name]
-            setattr(self, name, np.full(self._cap, default, dtype=dtype))
+        for name, dtype, default, sparse in self._layout:
+            if sparse:
+                setattr(self, name, np.full(self._cap, default, dtype=dtype))
         self._reset_pairs()
 
     def _reserve(self, count: int) -> None:
@@ -98,7 +177,7 @@ class Directory:
         self.live[pid] = True
         return pid
 
-    def _new_pids(self, count: int) -> np.ndarray:
+    def _new_pids(self, count: int) -> NDArray[np.int64]:
         """``count`` reset live rows with fresh uids, in the order ``_new_pid`` would give them."""
         self._reserve(count)
         pids = np.array(self.free_pids[:-count - 1:-1], np.int64)
@@ -113,3 +192,14 @@ class Directory:
     def _recycle(self, pid: int) -> None:
         self.live[pid] = False
         self.free_pids.append(pid)
+
+
+# Declaration order: the order columns are allocated and new rows reset in.
+COLUMNS: tuple[Column[Any], ...] = tuple(value for value in vars(Directory).values()
+                                         if isinstance(value, Column))
+# Both layouts built once (keyed by whether fills fit in a uint16), so a directory holds
+# a reference to one instead of a copy.
+_LAYOUTS: dict[bool, tuple[_Layout, ...]] = {
+    narrow: tuple((col.name, col.dtype_for(1 if narrow else _NARROW_MAX + 1), col.default, col.sparse)
+                  for col in COLUMNS)
+    for narrow in (False, True)}
