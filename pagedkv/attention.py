@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .errors import PagedKVError
 
@@ -138,7 +139,8 @@ def _attend(q: np.ndarray, pool: Any, block_tables: Any, lens: np.ndarray, qlens
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     out = np.einsum("skgqt,stkd->sqkgd", scores, values, optimize=True)
-    return out[token_rows, token_cols].reshape(q.shape).astype(q.dtype, copy=False)
+    real: NDArray[np.float32] = out[token_rows, token_cols]  # the rows of real queries
+    return real.reshape(q.shape).astype(q.dtype, copy=False)
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -27,8 +27,16 @@ from ..store import KVStore
 AT_LEAST_07 = Target(">= 0.7", ">=", 0.7)
 _ACCESS = ("each pass steps every sequence once in random order: +1 token, its spilled pages "
            "restored; GiB/s of bytes restored + spilled")
-_LATENCY = ("restore_ms_p50", "restore_ms_p99", "restore_ms_mean")
-_PER_PASS = ("restores", "evictions", "evict_batches", "bytes_restored", "bytes_spilled")
+# Literal keys, so each stats() lookup below is typed by StoreStats.
+_LatencyKey = Literal["restore_ms_p50", "restore_ms_p99", "restore_ms_mean"]
+_PassKey = Literal["restores", "evictions", "evict_batches", "bytes_restored", "bytes_spilled"]
+_LATENCY: tuple[_LatencyKey, ...] = ("restore_ms_p50", "restore_ms_p99", "restore_ms_mean")
+_PER_PASS: tuple[_PassKey, ...] = ("restores", "evictions", "evict_batches", "bytes_restored", "bytes_spilled")
+# stats()' per-codec keys (pages, ratio), spelled out as StoreStats declares them.
+_CODEC_KEYS: dict[str, tuple[Literal["codec_raw_pages", "codec_int8_pages", "codec_zstd_pages"],
+                             Literal["codec_raw_ratio", "codec_int8_ratio", "codec_zstd_ratio"]]] = {
+    "raw": ("codec_raw_pages", "codec_raw_ratio"), "int8": ("codec_int8_pages", "codec_int8_ratio"),
+    "zstd": ("codec_zstd_pages", "codec_zstd_ratio")}
 
 
 @dataclass
@@ -52,7 +60,7 @@ class _Churn:
     @property
     def start(self) -> int:
         """Tokens each sequence starts with: its last page keeps room for every pass's token."""
-        return self.k.shape[1]
+        return int(self.k.shape[1])
 
     @property
     def nseq(self) -> int:
@@ -211,7 +219,7 @@ def _churn(ctx: Ctx, mode: str, factor: int, naive: bool) -> list[dict[str, Any]
         for sim in sims.values():
             sim.backend.close()
         remove(run.base)
-    latency = {key: stats[key] for key in _LATENCY}
+    latency: dict[str, float] = {key: stats[key] for key in _LATENCY}
     mine = {f"pagedkv_{key}_per_pass": (stats[key] - stats0[key]) / run.rounds for key in _PER_PASS}
     theirs = {name: {f"{name}_{key}_per_pass": (value - sims0[name][key]) / run.rounds
                      for key, value in sim.summary().items()} for name, sim in sims.items()}
@@ -278,10 +286,11 @@ def _codec_churn(ctx: Ctx, mode: str, factor: int) -> list[dict[str, Any]]:
     for codec in CODECS:
         st, result = stats[codec], Pairs(rates[codec], reference)
         exact, error = fidelity[codec]
+        pages_key, ratio_key = _CODEC_KEYS[codec]
         metrics = {**{key: st[key] for key in _LATENCY},
                    **{f"pagedkv_{key}_per_pass": (st[key] - stats0[codec][key]) / run.rounds for key in _PER_PASS},
                    "spill_bytes": int(st["spill_bytes"]), "data_mdb_bytes": disk[codec],
-                   "codec_pages": int(st[f"codec_{codec}_pages"]), "codec_ratio": st[f"codec_{codec}_ratio"],
+                   "codec_pages": int(st[pages_key]), "codec_ratio": st[ratio_key],
                    "ratio_to_raw_codec": statistics.median(a / b for a, b in zip(rates[codec], rates["raw"])),
                    "readback_exact": exact, "readback_max_abs_error": error}
         rows.append(make_row("B4", f"spill/restore churn {factor}x {mode}, {codec} codec", result.a_median,

@@ -111,7 +111,8 @@ def _spawn(args: dict[str, Any]) -> dict[str, Any]:
                            json.dumps(args)], capture_output=True, text=True, env=env, check=False)
     if proc.returncode:
         raise RuntimeError(f"B8 child failed: {proc.stderr.strip()[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
 def b8_memory(ctx: Ctx) -> list[dict[str, Any]]:

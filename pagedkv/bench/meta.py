@@ -15,6 +15,7 @@ from .ref import RefBlockManager
 from .util import INFO, Ctx, Target, geom_params, interleave, kv_block, make_row, open_lmdb, timed
 from ..storage.files import disk_usage
 from ..geometry import PRESETS, Geometry
+from ..pages.sequence import SeqId
 
 # Bookkeeping does not depend on page bytes: 64-byte pages keep the pool file tiny.
 META_GEOM = Geometry(layers=1, kv_heads=1, head_dim=1, page_size=16, dtype="float16")
@@ -41,7 +42,7 @@ def b2_step(ctx: Ctx) -> list[dict[str, Any]]:
             with store.step(dict(enumerate(prompts))):
                 pass
             ref.step(dict(enumerate(prompts)))
-            mapping = {seq: 1 for seq in range(nseq)}
+            mapping: dict[SeqId, int] = {seq: 1 for seq in range(nseq)}
 
             def pagedkv_block() -> float:
                 def work() -> None:
@@ -228,7 +229,7 @@ def b7_commit(ctx: Ctx) -> list[dict[str, Any]]:
             with store.step(dict(enumerate(prompts))):
                 pass
             store.commit()
-            mapping = {seq: 1 for seq in range(nseq)}
+            mapping: dict[SeqId, int] = {seq: 1 for seq in range(nseq)}
             pool = store.pool
 
             def pagedkv_commit() -> float:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict, deque
-from typing import Any, Hashable, Mapping, Protocol
+from typing import Any, Hashable, Mapping, Protocol, TypeVar
 
 import lmdb
 import numpy as np
+
+_Seq = TypeVar("_Seq", bound=Hashable)
 
 
 class RefBlockManager:
@@ -35,7 +37,7 @@ class RefBlockManager:
         self.tables[seq] = []
         self.lengths[seq] = 0
 
-    def step(self, new_tokens: Mapping[Hashable, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def step(self, new_tokens: Mapping[_Seq, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Grow each sequence; return (block_tables int32 -1 padded, slot_mapping int64, seq_lens int32)."""
         size = self.block_size
         rows: list[list[int]] = []
@@ -76,7 +78,7 @@ class LmdbBackend:
         total = 0
         with self.env.begin(write=True) as txn:
             for key, page in items:
-                txn.put(key.to_bytes(8, "big"), memoryview(page).cast("B"))
+                txn.put(key.to_bytes(8, "big"), page.data.cast("B"))
                 total += page.nbytes
         return total
 
@@ -86,6 +88,8 @@ class LmdbBackend:
         with self.env.begin(buffers=True) as txn:
             for key, dest in zip(keys, dests):
                 value = txn.get(key.to_bytes(8, "big"))
+                if value is None:
+                    raise KeyError(f"page {key} was never put")
                 np.copyto(dest, np.frombuffer(value, dtype=dest.dtype).reshape(dest.shape))
                 total += dest.nbytes
         return total
@@ -108,7 +112,7 @@ class FileBackend:
         for key, page in items:
             fd = os.open(os.path.join(self.path, f"{key}.page"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.write(fd, memoryview(page).cast("B"))
+                os.write(fd, page.data.cast("B"))
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -121,7 +125,7 @@ class FileBackend:
         total = 0
         for key, dest in zip(keys, dests):
             with open(os.path.join(self.path, f"{key}.page"), "rb", buffering=0) as handle:
-                handle.readinto(memoryview(dest.reshape(-1).view(np.uint8)))
+                handle.readinto(dest.reshape(-1).view(np.uint8).data)
             total += dest.nbytes
         return total
 

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import PagedKVError
 from ..geometry import Geometry
@@ -25,7 +26,7 @@ class DemoFailed(PagedKVError):
     """What the demo read back differs from what it wrote."""
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """splitmix64's finaliser, vectorised (uint64 arithmetic wraps by design)."""
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2

@@ -17,6 +17,7 @@ import pagedkv
 from .workload import Progress, prepare_path
 from ..geometry import Geometry
 from .kvgen import DemoFailed, Request, expected_kv, token_kv
+from ..stats import StoreStats
 from ..store import KVStore
 
 SEED_GEOMETRY = Geometry(layers=1, kv_heads=1, head_dim=15, page_size=1, dtype="float16")  # 60 B/token
@@ -76,7 +77,7 @@ def _seed_read(store: KVStore, geom: Geometry, seed: int, req: Request) -> dict[
     }
 
 
-def _mean_since(before: dict[str, float], after: dict[str, float]) -> float:
+def _mean_since(before: StoreStats, after: StoreStats) -> float:
     """Mean restore latency (ms) of the restores between two ``stats()`` snapshots."""
     n0, n1 = int(before["restores"]), int(after["restores"])
     if n1 <= n0:

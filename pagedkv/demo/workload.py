@@ -138,7 +138,7 @@ class _Serving:
     running: deque[Request] = field(default_factory=deque)
     history: deque[Request] = field(default_factory=lambda: deque(maxlen=16))  # resumable chats
     kept: deque[Request] = field(default_factory=deque)  # finished, sequence still in the store
-    parallel: set[Any] = field(default_factory=set)  # requests that sample twice (n=2)
+    parallel: set[int] = field(default_factory=set)  # requests that sample twice (n=2)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("prompt_tokens", "reused_tokens", "prefill_tokens", "decode_tokens", "verified_tokens",
          "spot_checks", "finished", "follow_ups", "forks", "steps"), 0))
@@ -295,7 +295,7 @@ def _step(state: _Serving, step_tokens: int, time_slice: int) -> None:
             continue
         req.prompt_left -= count
         state.counts["prefill_tokens"] += count
-        if not req.prompt_left and req.seq_id in state.parallel:
+        if not req.prompt_left and isinstance(req.seq_id, int) and req.seq_id in state.parallel:
             # Parallel sampling: a second sample shares the prompt's pages, copy-on-write.
             twin = Request(f"{req.seq_id}/2", [*req.segments, (req.seq_id + _TWIN, req.length)],
                            decode_left=req.decode_left, length=req.length)

@@ -31,7 +31,7 @@ takes only ``past_key_values=``).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -91,8 +91,10 @@ def _to_numpy(tensor: torch.Tensor, np_dtype: np.dtype) -> np.ndarray:
     """A torch tensor as a numpy array in the store's dtype (bfloat16 through its bits)."""
     tensor = tensor.detach().to("cpu")
     if np_dtype.name == "bfloat16":
-        return tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np_dtype)
-    return tensor.to(_TORCH_DTYPES[np_dtype.name]).numpy()
+        bits: np.ndarray = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return bits.view(np_dtype)
+    arr: np.ndarray = tensor.to(_TORCH_DTYPES[np_dtype.name]).numpy()
+    return arr
 
 
 def _to_torch(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -125,7 +127,8 @@ class PagedKVLayer(CacheLayerMixin):
 
     def __init__(self, owner: PagedKVCache, index: int) -> None:
         super().__init__()
-        self._owner = weakref.proxy(owner)  # the cache holds its layers, not the reverse
+        # The cache holds its layers, not the reverse; the proxy forwards to the cache.
+        self._owner = cast(PagedKVCache, weakref.proxy(owner))
         self.index = index
         self.is_initialized = True  # backed by the store from the start
 
@@ -296,7 +299,8 @@ class PagedKVCache(Cache):
         ids, self._pending_ids = self._pending_ids, None
         if ids is None or tuple(ids.shape) != (1, count):
             return None  # unknown (inputs_embeds, or no watched module): stored, not reusable
-        return ids[0].detach().to("cpu").numpy()
+        token_ids: np.ndarray = ids[0].detach().to("cpu").numpy()
+        return token_ids
 
     def __repr__(self) -> str:
         return f"PagedKVCache(seq_id={self.seq_id!r}, length={self._length}, reused={self.reused})"

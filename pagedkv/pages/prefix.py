@@ -35,7 +35,7 @@ def chain_hash(parent: bytes, salt: bytes, token_ids: np.ndarray) -> bytes:
     hasher = xxhash.xxh3_128()
     hasher.update(parent)
     hasher.update(salt)
-    hasher.update(memoryview(np.ascontiguousarray(token_ids, TOKEN_DTYPE)).cast("B"))
+    hasher.update(np.ascontiguousarray(token_ids, TOKEN_DTYPE).data.cast("B"))
     return hasher.digest()
 
 

@@ -20,7 +20,7 @@ def seq_key(seq_id: SeqId) -> bytes:
     if isinstance(seq_id, int) and not -(1 << 63) <= seq_id < 1 << 63:
         raise PagedKVError("integer sequence id must fit in 64 bits")
     try:
-        key = msgpack.packb(seq_id)
+        key: bytes = msgpack.packb(seq_id)
     except UnicodeEncodeError:
         raise PagedKVError("sequence id is not valid unicode") from None
     if len(key) > _MAX_ID_BYTES:

@@ -61,18 +61,18 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
     tokens = page.shape[2]
     if fill == tokens:
-        hasher.update(np.ascontiguousarray(page).view(np.uint8))
+        hasher.update(np.ascontiguousarray(page).view(np.uint8).data)
     elif fill:
         stride = page.nbytes // (page.shape[0] * page.shape[1])  # one (layer, K/V) run of tokens
         width = stride // tokens * fill
         if width >= _RUN_MIN and page.flags.c_contiguous:
             # Hashing each run's filled part in place: copying them out first cost a
             # 2 MiB page 3x as much (xxh3 streams, so the digest is the same).
-            flat = memoryview(page.reshape(-1).view(np.uint8))
+            flat = page.reshape(-1).view(np.uint8).data
             for start in range(0, page.nbytes, stride):
                 hasher.update(flat[start:start + width])
         else:
-            hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8))
+            hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8).data)
     return hasher.intdigest()
 
 
@@ -128,9 +128,9 @@ class RecordLayout:
 
     def prefix(self, uid: int, fill: int, codec: str, csum: int, nbytes: int) -> bytes:
         """The bytes before a record's payload: u32 header length, then the msgpack header."""
-        header = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
-                                "shape": self._shape, "fill": fill, "codec": codec,
-                                "csum": csum, "nbytes": nbytes})
+        header: bytes = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
+                                       "shape": self._shape, "fill": fill, "codec": codec,
+                                       "csum": csum, "nbytes": nbytes})
         return _LEN.pack(len(header)) + header
 
     def match_raw(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> np.ndarray | None:

@@ -12,6 +12,7 @@ stored as zeros by the non-raw codecs.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import NDArray
 import zstandard
 
 from ..geometry import Geometry
@@ -56,7 +57,7 @@ def encode(codec: str, geom: Geometry, page: np.ndarray, fill: int) -> tuple[str
             page = page.copy()
             page[:, :, fill:] = 0
         data = np.ascontiguousarray(page).view(np.uint8)
-        return "zstd", zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data), None
+        return "zstd", zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data.data), None
     raise ValueError(f"unknown codec {codec!r}")
 
 
@@ -71,7 +72,7 @@ def _encode_int8(geom: Geometry, filled: np.ndarray, fill: int) -> tuple[str, by
 
 
 def _dequantise(geom: Geometry, scales: np.ndarray, quant: np.ndarray) -> np.ndarray:
-    values = quant.astype(np.float32) * scales[:, :, None, :, None]
+    values: NDArray[np.float32] = quant.astype(np.float32) * scales[:, :, None, :, None]
     return values.astype(geom.np_dtype)
 
 

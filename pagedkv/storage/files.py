@@ -61,10 +61,19 @@ def file_id(st: os.stat_result) -> FileId:
     return st.st_dev, st.st_ino
 
 
+def _target(path: str, dir_fd: int | None, name: str | None) -> str:
+    """The name an os call is given: ``name`` when it is looked up in ``dir_fd``, else ``path``."""
+    if dir_fd is None:
+        return path
+    if name is None:
+        raise TypeError("a dir_fd needs the name to look up in it")
+    return name
+
+
 def lookup(path: str, dir_fd: int | None = None, name: str | None = None) -> os.stat_result | None:
     """``lstat`` of ``path`` (or of ``name`` in ``dir_fd``), None if it does not exist; errors typed."""
     try:
-        return os.stat(name if dir_fd is not None else path, dir_fd=dir_fd, follow_symlinks=False)
+        return os.stat(_target(path, dir_fd, name), dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -106,7 +115,7 @@ def open_file(path: str, *, writable: bool, create: bool = False, dir_fd: int | 
     name already known to be something else is refused before it is opened at all.
     ``create`` makes a missing file (mode 0600).
     """
-    target = name if dir_fd is not None else path
+    target = _target(path, dir_fd, name)
     seen = lookup(path, dir_fd, name)
     if seen is not None:
         refuse_untrusted(path, seen, writable)

@@ -27,9 +27,11 @@ import os
 import select
 import signal
 import struct
+from typing import Any
 
 import lmdb
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import StoreCorrupt
 
@@ -242,6 +244,9 @@ _CURSOR_STACK = 32  # deepest tree an LMDB cursor can descend
 _FREE, _MAIN, _DATA = "free list", "main database", "database"
 # Masks keeping the first n bytes of a big-endian word, for n = 0..8.
 _KEEP = np.array([((1 << 64) - 1) ^ ((1 << (64 - 8 * n)) - 1) for n in range(9)], np.uint64)
+# What a leaf node of a tree holds: (txn id, data offset, data size) in the free list, (name,
+# MDB_db fields) in the main database; other trees' leaves are checked, not returned.
+_Leaf = tuple[Any, ...]
 
 
 class _Keys:
@@ -268,12 +273,13 @@ class _Keys:
         return _Keys(np.where(where[:, None], a, b), np.where(where, yes.lengths, no.lengths),
                      np.where(where, yes.none, no.none))
 
-    def less(self, other: _Keys) -> np.ndarray:
+    def less(self, other: _Keys) -> NDArray[np.bool_]:
         """Whether each key sorts strictly before the matching key of ``other``."""
         a, b = _Keys._aligned(self.words, other.words)
         if a.shape[1] == 1:
             a, b = a[:, 0], b[:, 0]
-            return (a < b) | (a == b) & (self.lengths < other.lengths)
+            before: NDArray[np.bool_] = (a < b) | (a == b) & (self.lengths < other.lengths)
+            return before
         differ = a != b
         at = differ.argmax(axis=1)
         rows = np.arange(len(a))
@@ -283,8 +289,10 @@ class _Keys:
     def _aligned(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Both word arrays as wide as the wider, zero words appended (zero bytes, as for a short key)."""
         width = max(a.shape[1], b.shape[1])
-        pad = lambda words: words if words.shape[1] == width else \
-            np.pad(words, ((0, 0), (0, width - words.shape[1])))  # noqa: E731
+
+        def pad(words: np.ndarray) -> np.ndarray:
+            return words if words.shape[1] == width else np.pad(words, ((0, 0), (0, width - words.shape[1])))
+
         return pad(a), pad(b)
 
 
@@ -361,12 +369,12 @@ class _Walker:
 
     # -- trees -----------------------------------------------------------------------------
 
-    def tree(self, record: tuple[int, ...], kind: str, what: str) -> list:
+    def tree(self, record: tuple[int, ...], kind: str, what: str) -> list[_Leaf]:
         """Walk one B-tree depth-first in chunks of pages; what its leaves hold, in key order."""
         depth, entries, root = record[2], record[6], record[7]
         if root == _P_INVALID:
             return []
-        found: list = []
+        found: list[_Leaf] = []
         seen = 0
         # A level, its pages in key order, and per page the key range [low, high) its
         # parents' separators leave it. LMDB's searches and inserts trust these
@@ -511,7 +519,7 @@ class _Walker:
 
     def leaves(self, kind: str, base: np.ndarray, upper: np.ndarray, count: np.ndarray, at: np.ndarray,
                ptr: np.ndarray, size: np.ndarray, flags: np.ndarray, ksize: np.ndarray,
-               what: str) -> list:
+               what: str) -> list[_Leaf]:
         """Check leaf nodes by kind; the free list's records or the main database's named
         database records (name, MDB_db fields), in key order."""
         body = at + ptr + _NODE + ksize  # file offset of each node's data

@@ -35,7 +35,7 @@ assert DIR_DTYPE.itemsize == DIR_ENTRY.size and DIR_DTYPE_V1.itemsize == DIR_ENT
 TAG_DIR, TAG_SEQS, TAG_TOKENS, TAG_META = b"dir", b"seqs", b"tokens", b"meta"
 
 
-def _digest(tag: bytes, key: bytes, body: bytes | memoryview, seed: int) -> int:
+def _digest(tag: bytes, key: bytes, body: bytes | bytearray | memoryview, seed: int) -> int:
     hasher = xxhash.xxh3_64(tag, seed)
     hasher.update(_KEY_LEN.pack(len(key)))
     hasher.update(key)

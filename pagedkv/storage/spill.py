@@ -40,7 +40,8 @@ def key_uid(key: bytes) -> int:
     """Inverse of ``uid_key``; a key of another length is damage."""
     if len(key) != _UID.size:
         raise StoreCorrupt(f"a page key of {len(key)} bytes is not a uid")
-    return _UID.unpack(key)[0]
+    uid: int = _UID.unpack(key)[0]
+    return uid
 
 
 _FULL = {errno.ENOSPC: "ENOSPC, disk full", errno.EFBIG: "EFBIG, file size limit",
@@ -356,7 +357,9 @@ class SpillStore:
     def iterate(self, txn: lmdb.Transaction, db: Any, keys_only: bool = False) -> Iterator[Any]:
         """All (key, value) pairs of ``db`` in key order (or keys only)."""
         cursor = txn.cursor(db=db)
-        return cursor.iternext(keys=True, values=not keys_only)
+        if keys_only:
+            return cursor.iternext(keys=True, values=False)
+        return cursor.iternext(keys=True, values=True)
 
     def sync(self) -> None:
         """Force the environment to stable storage."""

@@ -69,7 +69,8 @@ def _local_model_dir(model: str, revision: str | None) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision, local_files_only=True)
+        folder: str = snapshot_download(model, revision=revision, local_files_only=True)
+        return folder
     except Exception:  # not cached, no hub library, or an id of another kind: identity by name only
         return None
 

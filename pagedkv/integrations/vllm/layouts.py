@@ -52,8 +52,10 @@ def to_torch(arr: np.ndarray) -> torch.Tensor:
 def to_numpy(tensor: torch.Tensor, like: np.dtype) -> np.ndarray:
     """A CPU tensor as a numpy array of dtype ``like`` sharing its memory."""
     if like.name == "bfloat16":
-        return tensor.view(torch.int16).numpy().view(like)
-    return tensor.numpy()
+        bits: np.ndarray = tensor.view(torch.int16).numpy()
+        return bits.view(like)
+    arr: np.ndarray = tensor.numpy()
+    return arr
 
 
 def _block_view(cache: torch.Tensor, layout: str, num_blocks: int, geom: Geometry) -> torch.Tensor:
@@ -63,7 +65,7 @@ def _block_view(cache: torch.Tensor, layout: str, num_blocks: int, geom: Geometr
         if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (heads, dim):
             raise PagedKVError(f"a kv_first cache is [2, blocks, tokens, {heads}, {dim}], "
                                f"got {tuple(cache.shape)}")
-        view = cache.unflatten(1, (num_blocks, -1))  # [2, B, split, Nk, H, D]
+        view: torch.Tensor = cache.unflatten(1, (num_blocks, -1))  # [2, B, split, Nk, H, D]
         return view.permute(1, 0, 2, 3, 4, 5)
     if cache.dim() != 4 or cache.shape[1] != heads or cache.shape[3] != 2 * dim:
         raise PagedKVError(f"a {layout} cache is [blocks, {heads}, tokens, {2 * dim}], got {tuple(cache.shape)}")

@@ -97,7 +97,8 @@ class PagedKVStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.data = {name: 0 for name in COUNTERS}
+        zeros: dict[str, int | float] = {name: 0 for name in COUNTERS}
+        self.data = zeros
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Counters summed with ``other``'s."""

@@ -18,6 +18,7 @@ from ...store import KVStore
 
 __all__ = ["log", "register_worker_store", "live_worker_store"]
 
+log: logging.Logger  # vLLM's is a Logger with more methods, none of which this package calls
 try:  # under vLLM's logger, so its handler and level (VLLM_LOGGING_LEVEL) apply to these lines too
     from vllm.logger import init_logger
 
