@@ -27,10 +27,12 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_scenario_reports(rows: list[dict[str, Any]]) -> None:
     assert {row["scenario"] for row in rows} == set(SCENARIOS)
 
 
+@pytest.mark.slow
 def test_rows_have_the_stable_keys(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         assert tuple(row) == ROW_KEYS, row["name"]
@@ -46,6 +48,7 @@ def test_rows_have_the_stable_keys(rows: list[dict[str, Any]]) -> None:
             assert isinstance(row["ratio"], float) and row["ratio"] > 0, row["name"]
 
 
+@pytest.mark.slow
 def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     by_id: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -68,6 +71,7 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     assert all(row["unit"] == "B/page" for row in by_id["B8"])
 
 
+@pytest.mark.slow
 def test_b4_codec_rows_report_throughput_and_bytes_on_disk(rows: list[dict[str, Any]]) -> None:
     codec = {row["params"]["spill_codec"]: row for row in rows if "spill_codec" in row["params"]}
     for name, row in codec.items():
@@ -86,6 +90,7 @@ def test_b4_codec_rows_report_throughput_and_bytes_on_disk(rows: list[dict[str, 
     assert 0 < codec["int8"]["metrics"]["readback_max_abs_error"] < 0.02
 
 
+@pytest.mark.slow
 def test_rows_are_json_and_render(rows: list[dict[str, Any]]) -> None:
     assert json.loads(json.dumps(rows)) == rows
     table = format_table(rows)
@@ -98,6 +103,7 @@ def test_unknown_scenario_is_refused() -> None:
         run(["B99"], quick=True)
 
 
+@pytest.mark.slow
 def test_tool_prints_json(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--scenario", "b6",

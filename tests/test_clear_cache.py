@@ -1,6 +1,6 @@
 """``KVStore.clear_cache`` and a lowered ``spill_limit_bytes`` taking effect at open.
 
-Geometry: prefixkit.GEOM (8 tokens a page, 1 KiB pages). "Cache-only" pages are the hashed
+Geometry: ``kits.prefix.GEOM`` (8 tokens a page, 1 KiB pages). "Cache-only" pages are the hashed
 full pages of dropped (and committed) sequences. What LMDB holds is measured by summing the
 sizes of the values in its ``pages`` database, white-box through the handle's environment.
 """
@@ -8,22 +8,16 @@ sizes of the values in its ``pages`` database, white-box through the handle's en
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 import pagedkv
 from pagedkv import PagedKVError, ReadOnlyStore
-from prefixkit import PS, Stores, assert_holds, extend, index_problems, prefill, prompt
+
+from tests.kits.prefix import PS, assert_holds, extend, index_problems, prefill, prompt
 
 
-@pytest.fixture
-def pstores(tmp_path: Path):
-    factory = Stores(tmp_path)
-    yield factory
-    factory.close_all()
 
 
 def record_bytes(store: pagedkv.KVStore) -> int:

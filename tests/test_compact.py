@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import pagedkv
 from pagedkv import compact as compact_mod
-from pagedkv.cli.commands import cli
 from pagedkv.demo.kvgen import token_kv
-from support import get_seed
+
+from tests.kits.cli import run
+from tests.kits.content import get_seed
+
+
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = pagedkv.PRESETS["tiny"]
@@ -68,19 +70,6 @@ def _check_content(path: Path, kept: dict[int, int]) -> None:
             assert k.tobytes() == want_k.tobytes() and v.tobytes() == want_v.tobytes(), seq
 
 
-def _runner() -> CliRunner:
-    try:  # click < 8.2 mixes stderr into stdout unless told not to
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
-def _cli(*args: Any, code: int = 0) -> Any:
-    result = _runner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == code, (result.stdout, result.stderr)
-    return result
-
-
 def _data(path: Path) -> Path:
     return path / "spill" / "data.mdb"
 
@@ -110,19 +99,20 @@ def store_copy(built: tuple[Path, dict[int, int]], tmp_path: Path) -> tuple[Path
     return target, kept
 
 
+@pytest.mark.slow
 def test_gc_then_compact_shrinks_the_file_and_keeps_every_live_sequence(store_copy) -> None:
     path, kept = store_copy
-    cached = json.loads(_cli("stats", path, "--json").stdout)["stats"]["cached_pages"]
+    cached = json.loads(run("stats", path, "--json").stdout)["stats"]["cached_pages"]
     assert cached > 0, "dropping sequences left no cached pages: the test would prove nothing"
     size0, blocks0 = _on_disk(path)
 
-    gc = json.loads(_cli("gc", path, "--json").stdout)
+    gc = json.loads(run("gc", path, "--json").stdout)
     assert gc["schema"] == 1 and gc["pages"] == cached and gc["bytes"] > 0 and gc["cached_pages_after"] == 0
-    again = _cli("gc", path).stdout  # nothing left to drop
+    again = run("gc", path).stdout  # nothing left to drop
     assert again.startswith(f"gc {path}: dropped 0 cached pages (every cached page)") and "pagedkv compact" not in again
     _check_content(path, kept)
 
-    out = json.loads(_cli("compact", path, "--json").stdout)
+    out = json.loads(run("compact", path, "--json").stdout)
     size1, blocks1 = _on_disk(path)
     print(f"data.mdb: {size0:,} B ({blocks0:,} allocated) before gc and compact; after: {size1:,} B "
           f"({blocks1:,} allocated)")
@@ -140,17 +130,17 @@ def test_gc_then_compact_shrinks_the_file_and_keeps_every_live_sequence(store_co
         assert k.tobytes() == _kv(999, 50)[0].tobytes()
         for seq, length in kept.items():
             assert store.read(seq)[0].tobytes() == _kv(seq, length)[0].tobytes()
-    text = _cli("compact", path).stdout
+    text = run("compact", path).stdout
     assert text.startswith(f"compacted {path}: spill/data.mdb ") and "returned to the filesystem" in text
 
 
 def test_gc_max_bytes_keeps_the_newest_cache(store_copy) -> None:
     path, _ = store_copy
-    before = json.loads(_cli("stats", path, "--json").stdout)["stats"]["cached_pages"]
-    out = json.loads(_cli("gc", path, "--max-bytes", "40KiB", "--json").stdout)
+    before = json.loads(run("stats", path, "--json").stdout)["stats"]["cached_pages"]
+    out = json.loads(run("gc", path, "--max-bytes", "40KiB", "--json").stdout)
     assert out["max_bytes"] == 40 * 1024 and 0 < out["pages"] < before
     assert out["cached_pages_after"] == before - out["pages"] > 0
-    _cli("gc", path, "--max-bytes", "lots", code=2)
+    run("gc", path, "--max-bytes", "lots", code=2)
 
 
 def test_gc_and_compact_refuse_a_store_in_use(store_copy) -> None:
@@ -162,7 +152,7 @@ def test_gc_and_compact_refuse_a_store_in_use(store_copy) -> None:
     try:
         assert ready.wait(60)
         for command in ("gc", "compact"):
-            result = _cli(command, path, "--json", code=3)
+            result = run(command, path, "--json", code=3)
             assert json.loads(result.stdout)["error"]["kind"] == "StoreLocked"
     finally:
         stop.set()
@@ -180,7 +170,7 @@ def _hold_writer(path: str, ready: Any, stop: Any) -> None:
 
 def test_gc_and_compact_refuse_what_is_not_a_store(tmp_path: Path) -> None:
     for command in ("gc", "compact"):
-        result = _cli(command, tmp_path / "nothing", "--json", code=4)
+        result = run(command, tmp_path / "nothing", "--json", code=4)
         assert json.loads(result.stdout)["error"]["exit_code"] == 4
     assert not (tmp_path / "nothing").exists()  # gc opens a writer: it must not create a store
 
@@ -198,10 +188,11 @@ def test_compact_passes_every_named_crash_point(store_copy) -> None:
 _COMPACT = "import sys, pagedkv.compact as c; c.compact(sys.argv[1])"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", compact_mod.CRASH_POINTS)
 def test_sigkill_at_every_step_of_compact(point: str, store_copy) -> None:
     path, kept = store_copy
-    _cli("gc", path)
+    run("gc", path)
     size0, _ = _on_disk(path)
     env = {**os.environ, "PAGEDKV_CRASHPOINT": f"{point}:1"}
     proc = subprocess.run([sys.executable, "-c", _COMPACT, str(path)], env=env, cwd=ROOT,
@@ -245,7 +236,7 @@ def test_compact_refuses_a_damaged_store_and_changes_nothing(store_copy) -> None
         txn.put(b"superblock", b"\xc1 not msgpack", db=env.open_db(b"meta", txn=txn))
     env.close()
     before = _data(path).read_bytes()
-    result = _cli("compact", path, "--json", code=4)
+    result = run("compact", path, "--json", code=4)
     assert json.loads(result.stdout)["error"]["kind"] == "StoreCorrupt"
     assert _data(path).read_bytes() == before and _leftovers(path) == []
 
@@ -285,6 +276,7 @@ def _bump(path: Path) -> None:
         env.close()
 
 
+@pytest.mark.slow
 def test_a_reader_open_across_a_compaction_and_the_next_writer(store_copy) -> None:
     """A reader slot held across the swap: the writer after it shares lock.mdb's last txn id.
 

@@ -1,12 +1,13 @@
 """Crash safety (RELIABILITY.md T2, T3, T4): SIGKILL loops, named crash points, power loss.
 
-The machinery lives in crashkit.py (shared with tools/crashtest.py). Every randomised test
-prints its seed (``PAGEDKV_SEED=<n>`` replays it). SIGKILL loops keep their stores in the test's
-tmp_path (a real filesystem), power-loss loops on /dev/shm when it is a tmpfs (they simulate
-durability themselves); ``PAGEDKV_CRASH_DIR`` overrides both. A failing cycle's store directory
-is copied under ``PAGEDKV_ARTIFACTS`` (default: the test's ``tmp_path/artifacts``).
-Soak sizes: ``PAGEDKV_SOAK=1 pytest -m soak tests/test_crash.py`` (``PAGEDKV_SOAK_CYCLES``
-overrides the cycle counts); longer runs with figures: ``python tools/crashtest.py``.
+The machinery lives in tests/kits/ (crash, crashpoints, powerloss, verdict, workload), shared
+with tools/crashtest.py. Every randomised test prints its seed (``PAGEDKV_SEED=<n>`` replays
+it). SIGKILL loops keep their stores in the test's tmp_path (a real filesystem), power-loss
+loops on /dev/shm when it is a tmpfs (they simulate durability themselves);
+``PAGEDKV_CRASH_DIR`` overrides both. A failing cycle's store directory is copied under
+``PAGEDKV_ARTIFACTS`` (default: the test's ``tmp_path/artifacts``). Soak sizes:
+``PAGEDKV_SOAK=1 pytest -m soak tests/test_crash.py`` (``PAGEDKV_SOAK_CYCLES`` overrides the
+cycle counts); longer runs with figures: ``python -m tools.crashtest``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ from pathlib import Path
 
 import pytest
 
-import crashkit
 import pagedkv
-from crashkit import POINTS, PowerLossRig
 from pagedkv import compact, faults
 from pagedkv.storage.pool import PagePool
 from pagedkv.storage.spill import SpillStore
+
+from tests.kits.content import get_seed
+from tests.kits.crash import library_crashpoints, sigkill_loop
+from tests.kits.crashpoints import POINTS, crashpoint_run
+from tests.kits.model import Model
+from tests.kits.powerloss import GEOM_POWER, GEOM_POWER_SHARED, PowerLossRig, power_loss_loop
+from tests.kits.verdict import LoopResult, fresh_store, scratch_root, verify_contents
+from tests.kits.workload import POWER_PARAMS, Workload
+
+
 
 T2_CYCLES = 1000  # per mode (bar: >= 1000)
 T4_CYCLES = 500  # 4 KiB pages (bar: >= 500), plus T4_SHARED_CYCLES with 1 KiB pages
@@ -53,7 +62,7 @@ def _clean_seams():
 
 @pytest.fixture
 def scratch(tmp_path: Path):
-    """The directory of a power-loss loop's stores: tmpfs when available (crashkit.scratch_root)."""
+    """The directory of a power-loss loop's stores: tmpfs when available (``scratch_root``)."""
     yield from _scratch(tmp_path, power_loss=True)
 
 
@@ -64,7 +73,7 @@ def killdir(tmp_path: Path):
 
 
 def _scratch(tmp_path: Path, power_loss: bool):
-    root = crashkit.scratch_root(power_loss)
+    root = scratch_root(power_loss)
     if root is None:
         yield tmp_path
         return
@@ -75,7 +84,7 @@ def _scratch(tmp_path: Path, power_loss: bool):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def assert_clean(result: crashkit.LoopResult) -> None:
+def assert_clean(result: LoopResult) -> None:
     print(result.summary())
     assert result.violation_cycles == 0, result.summary()
     assert result.figures["lost_pages"] == 0 and result.figures["wrong_tokens"] == 0
@@ -84,7 +93,7 @@ def assert_clean(result: crashkit.LoopResult) -> None:
 # -- T2: black-box SIGKILL loop ----------------------------------------------------------------
 
 
-def check_sigkill_result(result: crashkit.LoopResult, cycles: int) -> None:
+def check_sigkill_result(result: LoopResult, cycles: int) -> None:
     assert_clean(result)
     figures = result.figures
     assert result.cycles == cycles
@@ -96,40 +105,43 @@ def check_sigkill_result(result: crashkit.LoopResult, cycles: int) -> None:
     assert figures["killed_before_open"] > 0 and figures["state_acked+1"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["durable", "nosync"])
-def test_t2_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
+def test_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
     """>= 1000 SIGKILLs per mode at random moments: 0 wrong bytes, 0 lost pages, 0 lost acked
     commits, 0 reopen failures; the state is the last acked commit or the one after it."""
-    seed = crashkit.resolve_seed(f"T2 {mode}")
-    result = crashkit.sigkill_loop(killdir / "store", mode, T2_CYCLES, seed,
-                                   artifact_root=tmp_path / "artifacts")
+    seed = get_seed(f"T2 {mode}")
+    result = sigkill_loop(killdir / "store", mode, T2_CYCLES, seed,
+                          artifact_root=tmp_path / "artifacts")
     check_sigkill_result(result, T2_CYCLES)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_t2_reopen_right_after_a_kill_during_open(tmp_path: Path, killdir: Path) -> None:
+def test_sigkill_during_open_then_reopen_at_once(tmp_path: Path, killdir: Path) -> None:
     """A writer killed inside ``open()`` is dead and reaped: reopening at once must find the
     lock free. A helper process the library forks meanwhile is made to wait 300 ms before it
     opens LMDB, so one still holding the writer's LOCK descriptor would keep the dead writer's
     lock (without the delay the T2 loops above hit that by chance in ~1-2 % of cycles)."""
-    seed = crashkit.resolve_seed("T2 kill during open")
-    result = crashkit.sigkill_loop(killdir / "store", "durable", 20, seed, kill_min_ms=20.0,
-                                   kill_max_ms=120.0, time_share=1.0, helper_delay_ms=300.0,
-                                   name="T2-kill-in-open", artifact_root=tmp_path / "artifacts")
+    seed = get_seed("T2 kill during open")
+    result = sigkill_loop(killdir / "store", "durable", 20, seed, kill_min_ms=20.0,
+                          kill_max_ms=120.0, time_share=1.0, helper_delay_ms=300.0,
+                          name="T2-kill-in-open", artifact_root=tmp_path / "artifacts")
     assert result.figures["killed_before_open"] >= 10
     assert result.figures["reopen_locked"] == 0, result.summary()
     assert_clean(result)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_t2_mutation_slot_reuse_before_commit_is_caught(tmp_path: Path, killdir: Path) -> None:
+def test_sigkill_loop_catches_slot_reuse_before_commit(tmp_path: Path, killdir: Path) -> None:
     """The T2 oracle catches a P2 violation: with pending-free slots handed out before the
     freeing commit, a kill before that commit must surface as lost committed pages."""
-    seed = crashkit.resolve_seed("T2 mutation")
-    result = crashkit.sigkill_loop(killdir / "store", "nosync", 400, seed, mutation="reuse-pending",
-                                   name="T2-mutation", stop_after_lost=True,
-                                   artifact_root=tmp_path / "artifacts")
+    seed = get_seed("T2 mutation")
+    result = sigkill_loop(killdir / "store", "nosync", 400, seed, mutation="reuse-pending",
+                          name="T2-mutation", stop_after_lost=True,
+                          artifact_root=tmp_path / "artifacts")
     print(result.summary())
     assert result.figures["lost_pages"] > 0, "the SIGKILL loop missed slot reuse before commit"
 
@@ -137,19 +149,19 @@ def test_t2_mutation_slot_reuse_before_commit_is_caught(tmp_path: Path, killdir:
 # -- T3: white-box crash points ------------------------------------------------------------------
 
 
-def test_t3_point_list_is_the_library_list() -> None:
+def test_crash_point_list_is_the_library_list() -> None:
     """The points tested are exactly the ``faults.crashpoint`` calls in the library.
 
     Compaction's points are killed at by tests/test_compact.py, one SIGKILL each.
     """
-    found = crashkit.library_crashpoints() - set(compact.CRASH_POINTS)
-    assert set(compact.CRASH_POINTS) <= crashkit.library_crashpoints()
+    found = library_crashpoints() - set(compact.CRASH_POINTS)
+    assert set(compact.CRASH_POINTS) <= library_crashpoints()
     assert set(POINTS) == found, f"untested: {sorted(found - set(POINTS))}, " \
                                  f"gone: {sorted(set(POINTS) - found)}"
     assert len(found) >= 12
 
 
-def check_points_result(result: crashkit.LoopResult, hits: range) -> None:
+def check_points_result(result: LoopResult, hits: range) -> None:
     print(result.summary())
     fired = {point: result.figures[f"fired:{point}"] for point in POINTS}
     print("fired (runs killed at the point, of %d):" % len(hits), fired)
@@ -158,16 +170,17 @@ def check_points_result(result: crashkit.LoopResult, hits: range) -> None:
     assert result.cycles == len(POINTS) * len(hits)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["durable", "nosync"])
-def test_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
+def test_sigkill_at_every_crash_point(tmp_path: Path, killdir: Path, mode: str) -> None:
     """Every named point x hits 1..5: the child dies by SIGKILL at the k-th hit (or ends
     normally having passed it fewer times); reopen = last acked commit or the next, 0
     violations. Create points: no half-created store, ever."""
-    seed = crashkit.resolve_seed(f"T3 {mode}")
+    seed = get_seed(f"T3 {mode}")
     hits = range(1, 6)
-    result = crashkit.crashpoint_run(killdir, mode, seed, POINTS, hits,
-                                     artifact_root=tmp_path / "artifacts")
+    result = crashpoint_run(killdir, mode, seed, POINTS, hits,
+                            artifact_root=tmp_path / "artifacts")
     check_points_result(result, hits)
     # With this workload every point is passed at least five times, so all 75 runs kill.
     assert sum(result.figures[f"fired:{p}"] for p in POINTS) == len(POINTS) * len(hits)
@@ -177,7 +190,7 @@ def test_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
 # -- T4: simulated power loss --------------------------------------------------------------------
 
 
-def test_t4_crash_image_keeps_reverts_or_tears_only_unflushed_blocks(tmp_path: Path) -> None:
+def test_power_loss_image_keeps_reverts_or_tears_only_unflushed_blocks(tmp_path: Path) -> None:
     """The rig itself: unchanged blocks stay; a changed block becomes new, old, or a 512 B mix."""
     pool = tmp_path / "pool.bin"
     old = bytes(range(256)) * 16 * 8  # 8 blocks
@@ -205,17 +218,19 @@ def test_t4_crash_image_keeps_reverts_or_tears_only_unflushed_blocks(tmp_path: P
     assert figures["blocks_unflushed"] == 360 and min(outcomes.values()) > 60, outcomes
 
 
-def test_t4_flush_recorder_sees_every_commit_flush(tmp_path: Path) -> None:
+def test_flush_recorder_sees_every_commit_flush(tmp_path: Path) -> None:
     """The seam T4 rests on: a durable commit msyncs each written slot before its LMDB txn."""
     path = tmp_path / "store"
-    crashkit.fresh_store(path, crashkit.GEOM_POWER, 8)
+    fresh_store(path, GEOM_POWER, 8)
     rig = PowerLossRig(path / "pool.bin", random.Random(1))
     faults.set_flush_recorder(rig.record)
     store = pagedkv.open(path)
     try:
         geom = store.geometry
         store.create(1)
-        store.append(1, *crashkit.as_kv(crashkit.token_bits(geom, 1, 1, 0, 9), geom))
+        model = Model(1, geom, finite=True)
+        model.create(1)
+        store.append(1, *model.next_kv(1, 9))
         assert rig.flushes == 0
         store.commit()
         assert rig.flushes >= 1
@@ -227,21 +242,22 @@ def test_t4_flush_recorder_sees_every_commit_flush(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("shape", ["4k-pages", "1k-pages-shared-blocks"])
-def test_t4_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
+def test_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
     """Durable mode, >= 500 simulated power losses: unflushed pool blocks kept, reverted or
     torn at 512 B; LMDB at its last completed transaction: 0 lost committed pages, 0 wrong
     bytes, 0 reopen failures against the last returned commit."""
-    seed = crashkit.resolve_seed(f"T4 {shape}")
+    seed = get_seed(f"T4 {shape}")
     if shape == "4k-pages":
-        result = crashkit.power_loss_loop(scratch / "store", T4_CYCLES, seed,
-                                          artifact_root=tmp_path / "artifacts")
+        result = power_loss_loop(scratch / "store", T4_CYCLES, seed,
+                                 artifact_root=tmp_path / "artifacts")
         cycles = T4_CYCLES
     else:
-        result = crashkit.power_loss_loop(scratch / "store", T4_SHARED_CYCLES, seed,
-                                          geom=crashkit.GEOM_POWER_SHARED, name="T4-shared",
-                                          artifact_root=tmp_path / "artifacts")
+        result = power_loss_loop(scratch / "store", T4_SHARED_CYCLES, seed,
+                                 geom=GEOM_POWER_SHARED, name="T4-shared",
+                                 artifact_root=tmp_path / "artifacts")
         cycles = T4_SHARED_CYCLES
     assert_clean(result)
     figures = result.figures
@@ -252,23 +268,23 @@ def test_t4_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
     assert figures["commits"] > cycles and figures["flushes"] > cycles
 
 
-def test_t4_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """RELIABILITY.md, durability modes: "In every mode: close() = commit + full sync". After a
     nosync store is closed, every committed pool slot must have been msynced (reported to the
     flush recorder) and the LMDB environment synced, so a power loss then loses nothing."""
-    seed = crashkit.resolve_seed("T4 nosync close")
+    seed = get_seed("T4 nosync close")
     path = scratch / "store"
-    crashkit.fresh_store(path, crashkit.GEOM_POWER, 24)
+    fresh_store(path, GEOM_POWER, 24)
     spill_syncs: list[int] = []
     original_sync = SpillStore.sync
     monkeypatch.setattr(SpillStore, "sync", lambda self: (spill_syncs.append(1), original_sync(self))[1])
     rig = PowerLossRig(path / "pool.bin", random.Random(seed))
     faults.set_flush_recorder(rig.record)
     store = pagedkv.open(path, durability="nosync")
-    model: crashkit.Model = {}
+    model = Model(seed, store.geometry, finite=True)
     ids = iter(range(1, 1 << 30))
-    work = crashkit.Workload(store, model, 0, seed, random.Random(seed), ids.__next__, crashkit.POWER_PARAMS,
-                             lambda number, current: None, lambda number: None)
+    work = Workload(store, model, 0, random.Random(seed), ids.__next__, POWER_PARAMS,
+                    lambda number, current: None, lambda number: None)
     work.run(40)
     store.close()
     faults.set_flush_recorder(None)
@@ -285,7 +301,7 @@ def test_t4_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.Monke
     rig.crash_image(figures)
     store = pagedkv.open(path, durability="nosync")
     try:
-        problems, lost, wrong = crashkit.verify_contents(store, model, seed)
+        problems, lost, wrong = verify_contents(store, model)
     finally:
         store._abandon()
     print(f"{len(unsynced)} of {len(slots)} committed slots unflushed after close(); "
@@ -297,15 +313,16 @@ def test_t4_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.Monke
         f"close() lost {lost} committed pages")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_t4_mutation_missing_flush_is_caught(tmp_path: Path, scratch: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_power_loss_loop_catches_a_missing_flush(tmp_path: Path, scratch: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The same loop with ``PagePool.flush_slots`` a no-op must flag a loss in >= 90 of 100
     cycles: proof that T4 catches a commit that is not preceded by its flush."""
-    seed = crashkit.resolve_seed("T4 mutation")
+    seed = get_seed("T4 mutation")
     monkeypatch.setattr(PagePool, "flush_slots", lambda self, slots: None)
-    result = crashkit.power_loss_loop(scratch / "store", MUTATION_CYCLES, seed, name="T4-mutation",
-                                      artifact_root=tmp_path / "artifacts")
+    result = power_loss_loop(scratch / "store", MUTATION_CYCLES, seed, name="T4-mutation",
+                             artifact_root=tmp_path / "artifacts")
     print(result.summary().splitlines()[0:2])
     assert result.figures["flushes"] == 0
     assert result.figures["flagged_cycles"] >= 90, result.summary()
@@ -319,11 +336,11 @@ def test_t4_mutation_missing_flush_is_caught(tmp_path: Path, scratch: Path,
 @pytest.mark.soak
 @only_in_soak
 @pytest.mark.timeout(0)
-def test_soak_t2_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
-    seed = crashkit.resolve_seed(f"T2 soak {mode}")
+def test_soak_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
+    seed = get_seed(f"T2 soak {mode}")
     cycles = soak_cycles(100_000)
-    result = crashkit.sigkill_loop(killdir / "store", mode, cycles, seed,
-                                   artifact_root=tmp_path / "artifacts")
+    result = sigkill_loop(killdir / "store", mode, cycles, seed,
+                          artifact_root=tmp_path / "artifacts")
     check_sigkill_result(result, cycles)
 
 
@@ -331,11 +348,11 @@ def test_soak_t2_sigkill_loop(tmp_path: Path, killdir: Path, mode: str) -> None:
 @pytest.mark.soak
 @only_in_soak
 @pytest.mark.timeout(0)
-def test_soak_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
-    seed = crashkit.resolve_seed(f"T3 soak {mode}")
+def test_soak_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
+    seed = get_seed(f"T3 soak {mode}")
     hits = range(1, 51)
-    result = crashkit.crashpoint_run(killdir, mode, seed, POINTS, hits, sessions=12, ops_per_session=40,
-                                     artifact_root=tmp_path / "artifacts")
+    result = crashpoint_run(killdir, mode, seed, POINTS, hits, sessions=12, ops_per_session=40,
+                            artifact_root=tmp_path / "artifacts")
     check_points_result(result, hits)
 
 
@@ -343,10 +360,10 @@ def test_soak_t3_crash_points(tmp_path: Path, killdir: Path, mode: str) -> None:
 @pytest.mark.soak
 @only_in_soak
 @pytest.mark.timeout(0)
-def test_soak_t4_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
-    seed = crashkit.resolve_seed(f"T4 soak {shape}")
-    geom = crashkit.GEOM_POWER if shape == "4k-pages" else crashkit.GEOM_POWER_SHARED
-    result = crashkit.power_loss_loop(scratch / "store", soak_cycles(50_000), seed, geom=geom,
-                                      artifact_root=tmp_path / "artifacts")
+def test_soak_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
+    seed = get_seed(f"T4 soak {shape}")
+    geom = GEOM_POWER if shape == "4k-pages" else GEOM_POWER_SHARED
+    result = power_loss_loop(scratch / "store", soak_cycles(50_000), seed, geom=geom,
+                             artifact_root=tmp_path / "artifacts")
     assert_clean(result)
 

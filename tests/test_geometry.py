@@ -10,7 +10,10 @@ import pytest
 
 import pagedkv
 from pagedkv import Geometry, GeometryMismatch, PagedKVError
-from support import kv, same_bits
+
+from tests.kits.content import kv, same_bits
+
+
 
 
 @pytest.mark.parametrize("dtype,itemsize", [("float16", 2), ("float32", 4), ("bfloat16", 2)])

@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a real model on the CPU: seconds per test
 
 import pagedkv  # noqa: E402
 from pagedkv import GeometryMismatch, PagedKVError  # noqa: E402

@@ -24,8 +24,14 @@ import pagedkv
 from pagedkv import PagedKVError, StoreCorrupt
 from pagedkv.demo.workload import prepare_path
 from pagedkv.storage.pool import PagePool
-from faultkit import DATA_MDB, LOCK, LOCK_MDB, POOL, in_child
-from support import GEOM, build_committed, kv
+
+from tests.kits.child import in_child
+from tests.kits.content import kv
+from tests.kits.files import DATA_MDB, LOCK, LOCK_MDB, POOL
+from tests.kits.model import build_committed
+from tests.kits.store import GEOM
+
+
 
 NOBODY = 65534
 FILES = [POOL, DATA_MDB, LOCK_MDB, LOCK]
@@ -70,6 +76,7 @@ def _data_files(path: Path) -> dict[str, tuple[str, int] | None]:
 # -- a FIFO in place of each file ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", FILES)
 def test_fifo_in_place_of_a_store_file_is_refused_without_blocking(tmp_path: Path, name: str,
@@ -109,6 +116,7 @@ def _make_device(target: Path) -> None:
 KINDS = {"directory": lambda target: target.mkdir(), "socket": _make_socket, "device": _make_device}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("name", FILES)
@@ -127,6 +135,7 @@ def test_non_regular_file_in_place_of_a_store_file_is_refused(tmp_path: Path, na
 # -- files owned by another user ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", [*FILES, "spill", "."])
@@ -294,6 +303,20 @@ def test_data_mdb_swapped_while_lmdb_opens_it_gets_no_byte(tmp_path: Path, monke
             model.verify(store, seq)
 
 
+def _write_if_it_opens(path: Path, mention: str) -> None:
+    """Open ``path`` as the writer and commit new pages, unless the open is refused as
+    ``StoreCorrupt`` naming ``mention``."""
+    try:
+        store = pagedkv.open(path)
+    except StoreCorrupt as exc:
+        assert mention in str(exc), str(exc)
+        return
+    store.create("c")
+    store.append("c", *kv(9, "c", 0, 40))
+    store.commit()
+    store.close()
+
+
 def test_spill_directory_swapped_while_lmdb_opens_it_gets_no_byte(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "store"
@@ -317,15 +340,7 @@ def test_spill_directory_swapped_while_lmdb_opens_it_gets_no_byte(tmp_path: Path
             os.rename(path / ".spill.aside", spill)
 
     monkeypatch.setattr(lmdb, "open", racing_open)
-    try:
-        store = pagedkv.open(path)
-    except StoreCorrupt as exc:
-        assert "spill" in str(exc), str(exc)
-    else:
-        store.create("c")
-        store.append("c", *kv(9, "c", 0, 40))
-        store.commit()
-        store.close()
+    _write_if_it_opens(path, "spill")
     monkeypatch.undo()
     assert calls
     assert {name: _digest(decoy / name) for name in ("data.mdb",)} == before, \
@@ -350,15 +365,7 @@ def test_pool_swapped_for_an_outside_hard_link_before_mapping_is_refused(tmp_pat
         return real_open(cls, target, writable)
 
     monkeypatch.setattr(PagePool, "open", classmethod(racing_open))
-    try:
-        store = pagedkv.open(path)
-    except StoreCorrupt as exc:
-        assert "pool.bin" in str(exc), str(exc)
-    else:
-        store.create("c")
-        store.append("c", *kv(9, "c", 0, 40))
-        store.commit()
-        store.close()
+    _write_if_it_opens(path, "pool.bin")
     monkeypatch.undo()
     assert calls
     assert _digest(decoy) == before, "a writer mapped and wrote a file outside the store"

@@ -21,7 +21,10 @@ import pytest
 
 import pagedkv
 from pagedkv import PagedKVError, StoreLocked
-from support import GEOM
+
+from tests.kits.store import GEOM
+
+
 
 HOLDER = r"""
 import sys

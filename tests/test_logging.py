@@ -22,7 +22,11 @@ import pytest
 import pagedkv
 from pagedkv import PageCorrupt, faults
 from pagedkv.storage.pool import HEADER_NBYTES
-from support import GEOM, ROOT, Model
+
+from tests.kits.model import Model
+from tests.kits.store import GEOM, ROOT
+
+
 
 PS = GEOM.page_size
 

@@ -15,12 +15,15 @@ import sys
 import typing
 from typing import Any
 
-import numpy as np
 import pytest
 
 import pagedkv
 from pagedkv import PagedKVError, metrics
-from support import GEOM, Model
+
+from tests.kits.model import Model, busy_store
+from tests.kits.store import GEOM
+
+
 
 PS = GEOM.page_size
 HAVE_CLIENT = importlib.util.find_spec("prometheus_client") is not None
@@ -73,22 +76,6 @@ def parse(text: str) -> tuple[dict[str, str], dict[tuple[str, tuple[tuple[str, s
     return types, samples
 
 
-def busy_store(stores, seed: int) -> pagedkv.KVStore:
-    store = stores.open(pool_pages=4, evict_batch=1, spill_codec="zstd")
-    model = Model(seed)
-    for seq in ("a", "b"):
-        store.create(seq)
-        model.create(seq)
-        store.append(seq, *model.next_kv(seq, 3 * PS + 1))
-    model.verify_all(store)
-    k = np.zeros((GEOM.layers, PS, GEOM.kv_heads, GEOM.head_dim), GEOM.np_dtype)
-    store.create("p", tokens=list(range(PS)))
-    store.append("p", k, k, tokens=list(range(PS)))
-    store.create("q", tokens=list(range(PS + 1)))
-    store.commit()
-    return store
-
-
 def expected_series(stats: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Where each stats() figure must appear, and with which value."""
     from pagedkv.storage.codecs import CODECS
@@ -116,7 +103,7 @@ def expected_series(stats: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]],
 
 
 def test_text_holds_every_stat_with_help_and_type(stores, seed) -> None:
-    store = busy_store(stores, seed)
+    store = busy_store(stores, seed, spill_codec="zstd")
     text = metrics.prometheus_text(store)
     stats = store.stats()  # nothing ran in between: the same figures
     types, samples = parse(text)
@@ -132,7 +119,7 @@ def test_text_holds_every_stat_with_help_and_type(stores, seed) -> None:
 
 
 def test_text_with_constant_labels_is_escaped(stores, seed) -> None:
-    store = busy_store(stores, seed)
+    store = busy_store(stores, seed, spill_codec="zstd")
     awkward = 'kv "main"\\\nsecond line'
     _, samples = parse(metrics.prometheus_text(store, labels={"store": awkward, "zone": "a"}))
     assert samples
@@ -154,7 +141,7 @@ def test_text_of_a_closed_store_is_store_closed(stores) -> None:
 def test_prometheus_client_parses_the_text(stores, seed) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    store = busy_store(stores, seed)
+    store = busy_store(stores, seed, spill_codec="zstd")
     text = metrics.prometheus_text(store, labels={"store": "s1"})
     stats = store.stats()
     want = expected_series(stats)
@@ -182,7 +169,7 @@ def test_register_scrapes_live_figures(stores, seed) -> None:
                 out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
         return out
 
-    store = busy_store(stores, seed)
+    store = busy_store(stores, seed, spill_codec="zstd")
     other = stores.open("other")
     registry = CollectorRegistry()
     collector = metrics.register(store, registry, labels={"store": "one"})

@@ -13,14 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
 import pagedkv
 from pagedkv import PagedKVError
 from pagedkv import opening
-from pagedkv.cli.commands import cli
 from pagedkv.demo.workload import DEMO_MODEL, prepare_path
-from support import GEOM, build_committed, kv
+
+from tests.kits.cli import run as run_cli
+from tests.kits.content import kv
+from tests.kits.model import build_committed
+from tests.kits.store import GEOM
+
+
 
 SMALL_DEMO = ["--preset", "tiny", "--pool-pages", "24", "--sequences", "12", "--tokens", "16"]
 SAFE = re.compile(r"[\x20-\x7e\t\n]*")
@@ -129,16 +133,9 @@ def test_recreate_is_only_for_volatile_opens(tmp_path: Path) -> None:
 # -- pagedkv demo ------------------------------------------------------------------------------
 
 
-def _runner() -> CliRunner:
-    try:  # click < 8.2 mixes stderr into stdout unless told not to
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
 def run(*args: Any, code: int = 0) -> Any:
-    result = _runner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == code, (result.stdout, result.stderr)
+    """``kits.cli.run``, and every byte of output plain ASCII: the demo prints no ids."""
+    result = run_cli(*args, code=code)
     assert SAFE.fullmatch(result.stdout) and SAFE.fullmatch(result.stderr)
     return result
 
@@ -191,6 +188,7 @@ def test_demo_force_replaces_a_store_it_did_not_make(tmp_path: Path) -> None:
     assert demo(path, *SMALL_DEMO)["store"] == "replaced"  # now it is the demo's own: no --force
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, second", [
     (SMALL_DEMO, SMALL_DEMO),
     (["--seed-workload", "--durability", "nosync"], SMALL_DEMO),

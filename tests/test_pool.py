@@ -14,7 +14,11 @@ import pagedkv
 from pagedkv import FormatVersionError, Geometry, PagedKVError, StoreCorrupt, faults
 from pagedkv.storage.codec import FORMAT_VERSION
 from pagedkv.storage.pool import HEADER_NBYTES, MAGIC, PagePool, pack_header, unpack_header
-from support import GEOM, kv
+
+from tests.kits.content import kv
+from tests.kits.store import GEOM
+
+
 
 POOL_PAGES = 16
 

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 import pagedkv
-from support import Model, engine_write
+
+from tests.kits.model import Model, append_or_undo, run_workers, step_one, verify_unless_pinned
+from tests.kits.store import engine_write
+
+
+
 
 
 def filled(stores, model: Model, count: int, tokens: int, pool_pages: int = 8) -> pagedkv.KVStore:
@@ -93,46 +98,25 @@ def test_threads_append_read_step_prefetch_without_deadlock(stores, seed) -> Non
             model.create(seq)
             store.create(seq)
             store.append(seq, *model.next_kv(seq, 5))
-    errors: list[BaseException] = []
     start = threading.Barrier(len(models))
 
     def worker(n: int) -> None:
         model, rng = models[n], random.Random(seed * 31 + n)
         seqs = [f"t{n}-{j}" for j in range(3)]
-        try:
-            start.wait()
-            for _ in range(120):
-                seq = rng.choice(seqs)
-                action = rng.random()
-                if action < 0.3:
-                    length = model.lens[seq]
-                    try:
-                        store.append(seq, *model.next_kv(seq, rng.randint(1, 6)))
-                    except pagedkv.PoolExhausted:  # other threads' steps pin the whole pool
-                        model.undo(seq, length)
-                elif action < 0.55:
-                    try:
-                        model.verify(store, seq)
-                    except pagedkv.PoolExhausted:
-                        pass
-                elif action < 0.8:
-                    try:
-                        with store.step({seq: 1}) as s:
-                            engine_write(store, s, [model.next_kv(seq, 1)])
-                    except pagedkv.PoolExhausted:  # other threads' steps pin the pool
-                        pass
-                else:
-                    store.prefetch([rng.choice(seqs) for _ in range(2)])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        start.wait()
+        for _ in range(120):
+            seq = rng.choice(seqs)
+            action = rng.random()
+            if action < 0.3:
+                append_or_undo(store, model, seq, rng.randint(1, 6))
+            elif action < 0.55:
+                verify_unless_pinned(store, model, seq)
+            elif action < 0.8:
+                step_one(store, model, seq)
+            else:
+                store.prefetch([rng.choice(seqs) for _ in range(2)])
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(models))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(90)
-    assert not any(thread.is_alive() for thread in threads), "a worker deadlocked"
-    assert not errors, errors
+    run_workers(worker, len(models), 90)
     for model in models:
         for seq in model.segs:
             model.verify(store, seq)

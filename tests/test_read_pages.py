@@ -10,8 +10,13 @@ import pytest
 
 import pagedkv
 from pagedkv import PageCorrupt, PagedKVError, SequenceNotFound
-from faultkit import flip_bit
-from support import GEOM, Model, assert_same_bits
+
+from tests.kits.content import assert_same_bits
+from tests.kits.files import flip_bit
+from tests.kits.model import Model
+from tests.kits.store import GEOM
+
+
 
 PS = GEOM.page_size
 

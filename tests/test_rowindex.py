@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from pagedkv.pages.rowindex import RowIndex
 
@@ -17,6 +18,7 @@ def digest(rng: random.Random, homes: int) -> bytes:
     return _HOMES[rng.randrange(homes)].to_bytes(8, "little") + rng.randbytes(8)
 
 
+@pytest.mark.slow
 def test_matches_a_multimap_through_adds_discards_and_rebuilds(seed) -> None:
     """Several rows may share a digest (a prompt prefilled twice); each is held and found."""
     rng = random.Random(seed)

@@ -23,7 +23,6 @@ import os
 import shutil
 import tempfile
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis import seed as hypothesis_seed
@@ -32,7 +31,12 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import pagedkv
 from pagedkv import PoolExhausted
-from support import GEOM, Model, check_step_outputs, engine_write, get_seed
+
+from tests.kits.content import get_seed
+from tests.kits.model import Model
+from tests.kits.store import GEOM, check_step_outputs, engine_write
+
+
 
 PS = GEOM.page_size
 POOL_PAGES = 6
@@ -267,6 +271,7 @@ class StoreMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_statemachine_store_matches_model() -> None:
     seed = get_seed("statemachine")

@@ -5,19 +5,21 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import subprocess
-import sys
 
 import lmdb
 import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import (Geometry, GeometryMismatch, PageCorrupt, PagedKVError, PoolExhausted,
-                     ReadOnlyStore, SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed,
-                     StoreCorrupt, StoreLocked)
-from faultkit import flip_bit
-from support import GEOM, Model, assert_same_bits, check_step_outputs, engine_write, kv
+from pagedkv import (Geometry, GeometryMismatch, PageCorrupt, PagedKVError, PoolExhausted, ReadOnlyStore,
+                     SequenceBusy, SequenceExists, SequenceNotFound, StoreClosed, StoreCorrupt)
+
+from tests.kits.content import assert_same_bits, kv
+from tests.kits.files import flip_bit
+from tests.kits.model import Model
+from tests.kits.store import GEOM, check_step_outputs, engine_write
+
+
 
 PS = GEOM.page_size
 REQUIRED_STATS = ("resident_hits", "spill_hits", "misses", "evictions", "restores", "bytes_spilled",
@@ -1007,56 +1009,7 @@ def test_corrupt_pool_slot_fails_closed_after_reopen(stores) -> None:
     store._abandon()
 
 
-# -- handles, locks, files -------------------------------------------------------------
-
-
-def test_use_after_close_raises_store_closed(stores) -> None:
-    store = stores.open()
-    store.create("a")
-    store.append("a", *kv(1, "a", 0, 3))
-    store.close()
-    store.close()  # idempotent
-    k, v = kv(1, "a", 3, 1)
-    calls = [
-        lambda: store.create("b"), lambda: store.append("a", k, v), lambda: store.read("a"),
-        lambda: store.fork("a", "c"), lambda: store.drop("a"), lambda: store.length("a"),
-        lambda: store.sequences(), lambda: store.commit(), lambda: store.stats(),
-        lambda: store.check(), lambda: store.pool, lambda: store.can_step({"a": 1}),
-        lambda: store.step({"a": 1}).__enter__(),
-    ]
-    for i, call in enumerate(calls):
-        with pytest.raises(StoreClosed):
-            call()
-    reopened = stores.open(geom=None, pool_pages=None)
-    assert reopened.length("a") == 3
-    assert reopened.check() == []
-
-
-def test_second_writer_same_process_raises_store_locked(stores) -> None:
-    store = stores.open()
-    store.create("a")
-    for kwargs in ({}, {"geometry": GEOM, "pool_pages": 8}, {"durability": "nosync"},
-                   {"durability": "volatile"}):
-        with pytest.raises(StoreLocked) as info:
-            pagedkv.open(store.path, **kwargs)
-        assert str(os.getpid()) in str(info.value)
-    store.commit()
-    # a reader (another process: LMDB allows one environment per process) may run beside it
-    code = ("import pagedkv, sys; s = pagedkv.open(sys.argv[1], readonly=True); "
-            "print(s.sequences()); s.close()")
-    out = subprocess.run([sys.executable, "-c", code, str(store.path)], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['a']"
-    # and a second writer process is refused too
-    code = "import pagedkv, sys; pagedkv.open(sys.argv[1])"
-    out = subprocess.run([sys.executable, "-c", code, str(store.path)], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode != 0 and "StoreLocked" in out.stderr and str(os.getpid()) in out.stderr
-    store.close()
-    again = stores.open(geom=None, pool_pages=None)
-    assert again.sequences() == ["a"]
-    assert again.check() == []
+# -- read-only handles, durability modes, crashes -----------------------------------------
 
 
 def test_readonly_handle_reads_exact_and_writes_nothing(stores) -> None:
@@ -1082,30 +1035,6 @@ def test_readonly_handle_reads_exact_and_writes_nothing(stores) -> None:
     changed = [name for name in before if before[name] != after.get(name)
                and not name.endswith("lock.mdb") and name != "spill"]
     assert changed == []
-
-
-def test_files_private_under_umask_000(stores) -> None:
-    old = os.umask(0)
-    try:
-        store = stores.open(pool_pages=4, evict_batch=1)
-        model = Model(39)
-        for i in range(4):
-            filled(store, model, i, 3 * PS)  # evictions: LMDB grows its files
-        store = stores.reopen(store)
-        model.verify_all(store)
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o700
-    seen = 0
-    for root, dirs, files in os.walk(store.path):
-        for name in dirs:
-            assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o700, name
-        for name in files:
-            mode = stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode)
-            assert mode & 0o077 == 0, (name, oct(mode))
-            seen += 1
-    assert seen >= 4  # pool.bin, LOCK, data.mdb, lock.mdb
-    assert store.check() == []
 
 
 def test_durability_modes_nosync_persists_volatile_does_not(stores) -> None:

@@ -1,6 +1,6 @@
 """``KVStore.truncate``: rolling a sequence back (rejected speculative tokens), crash-safely.
 
-Geometry: support.GEOM (4 tokens a page, 512-byte pages) for the data path; prefixkit.GEOM
+Geometry: ``kits.store.GEOM`` (4 tokens a page, 512-byte pages) for the data path; ``kits.prefix.GEOM``
 (8 tokens a page) for the prefix cache. After a truncation the model gives the sequence a
 new content key, so tokens appended afterwards differ from the ones cut: a truncation that
 left the old bytes in place reads back as wrong bytes.
@@ -8,7 +8,6 @@ left the old bytes in place reads back as wrong bytes.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,9 +15,13 @@ import pytest
 
 import pagedkv
 from pagedkv import PagedKVError, ReadOnlyStore, SequenceBusy, SequenceNotFound
-from prefixkit import GEOM as PGEOM, PS as PPS, assert_holds, extend, index_problems, prefill, prompt
-from prefixkit import Stores as PrefixStores, run_child_and_kill
-from support import GEOM, Model, build_committed
+
+from tests.kits.child import run_until_killed
+from tests.kits.model import Model, build_committed
+from tests.kits.prefix import PS as PPS, assert_holds, extend, index_problems, prefill, prompt
+from tests.kits.store import GEOM
+
+
 
 PS = GEOM.page_size
 
@@ -263,7 +266,7 @@ def test_sigkill_after_truncate_shows_the_last_commit(stores, seed) -> None:
         model.verify_all(store)
         ack("rewritten")
 
-    assert run_child_and_kill(child) == ["rewritten"]
+    assert run_until_killed(child) == ["rewritten"]
     model.lens, model.segs = committed
     store = stores.open(geom=None, pool_pages=None)
     model.verify_all(store)
@@ -287,13 +290,6 @@ def test_truncate_committed_then_crash_keeps_the_truncation(stores, seed) -> Non
 
 
 # -- the prefix cache ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def pstores(tmp_path: Path):
-    factory = PrefixStores(tmp_path)
-    yield factory
-    factory.close_all()
 
 
 def hashed(store: pagedkv.KVStore, seq: Any) -> list[bool]:

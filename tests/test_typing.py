@@ -16,40 +16,19 @@ import textwrap
 import typing
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import pagedkv
 import pagedkv.errors
 from pagedkv.storage.codecs import CODECS
 from pagedkv.stats import COUNTERS
-from support import GEOM, Model
 
-PS = GEOM.page_size
-
-
-def busy_store(stores, seed: int) -> pagedkv.KVStore:
-    """A store that has evicted, restored, shared and hashed pages, so every figure is non-trivial."""
-    store = stores.open(pool_pages=4, evict_batch=1)
-    model = Model(seed)
-    for seq in ("a", "b"):
-        store.create(seq)
-        model.create(seq)
-        store.append(seq, *model.next_kv(seq, 3 * PS + 1))
-    store.fork("a", "c")
-    model.fork("a", "c")
-    model.verify_all(store)
-    k = np.zeros((GEOM.layers, PS, GEOM.kv_heads, GEOM.head_dim), GEOM.np_dtype)
-    store.create("p", tokens=list(range(PS)))
-    store.append("p", k, k, tokens=list(range(PS)))
-    store.create("q", tokens=list(range(PS + 1)))
-    store.commit()
-    return store
+from tests.kits.model import busy_store
 
 
 def test_stats_values_have_their_declared_types(stores, seed) -> None:
     hints = typing.get_type_hints(pagedkv.StoreStats)
-    st = busy_store(stores, seed).stats()
+    st = busy_store(stores, seed, fork=True).stats()
     assert set(st) == set(hints), (f"undeclared: {sorted(set(st) - set(hints))}, "
                                    f"missing: {sorted(set(hints) - set(st))}")
     wrong = {key: (type(value).__name__, hints[key].__name__) for key, value in st.items()
@@ -138,6 +117,7 @@ USER_SCRIPT = '''
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mypy_strict_accepts_a_user_script(tmp_path: Path) -> None:
     if importlib.util.find_spec("mypy") is None:

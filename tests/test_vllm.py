@@ -1,6 +1,6 @@
 """pagedkv as vLLM's KV tier, end to end with the real vLLM (CPU) and a tiny random-weight Llama.
 
-Every engine runs in a child process (``vllm_child.py``), each once per test
+Every engine runs in a child process (``tests/kits/vllm_child.py``), each once per test
 session however the tests are spread over xdist workers: results are cached in
 the session's shared temporary folder and engine runs are serialised by a file
 lock, so two vLLM processes (2 GB and both cores each) never run at once.
@@ -34,9 +34,12 @@ from typing import Any, Callable
 import pytest
 
 import pagedkv
-from vllmkit import (PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child, start_child,
-                     wait_for_line, wait_serving)
-from support import get_seed
+
+from tests.kits.content import get_seed
+from tests.kits.vllm import (PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child,
+                             start_child, wait_for_line, wait_serving)
+
+
 
 pytestmark = [
     pytest.mark.vllm,

@@ -21,7 +21,10 @@ from pagedkv.errors import PageCorrupt, PagedKVError
 from pagedkv.integrations.vllm.config import ConnectorConfig, KNOWN_KEYS
 from pagedkv.integrations.vllm.identity import namespace_tokens, request_namespace
 from pagedkv.prefixview import ROOT, PrefixView
-from support import get_seed
+
+from tests.kits.content import get_seed
+
+
 
 GEOM = pagedkv.Geometry(layers=2, kv_heads=2, head_dim=8, page_size=4, dtype="float32")
 
@@ -213,6 +216,7 @@ def test_layouts_refuse_a_cache_of_another_shape() -> None:
         LayerCaches([torch.zeros(6, 2, 4, 16, dtype=torch.float16)], geom, 6, "cpu")
 
 
+@pytest.mark.slow
 def test_stats_sum_and_reduce() -> None:
     pytest.importorskip("vllm")
     from pagedkv.integrations.vllm.meta import PagedKVStats
@@ -263,6 +267,7 @@ def _request(req_id: str, tokens: list[int], salt: str | None = None) -> SimpleN
                            lora_request=None, mm_features=[], prompt_embeds=None)
 
 
+@pytest.mark.slow
 def test_both_sides_without_an_engine(tmp_path: Path) -> None:
     """Save blocks, look the prompt up, load it into other blocks; salts and a bad store."""
     torch = pytest.importorskip("torch")
@@ -349,6 +354,7 @@ def test_both_sides_without_an_engine(tmp_path: Path) -> None:
     worker.shutdown()
 
 
+@pytest.mark.slow
 def test_a_store_that_cannot_be_opened_disables_both_sides(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("vllm")
@@ -371,6 +377,7 @@ def test_a_store_that_cannot_be_opened_disables_both_sides(tmp_path: Path) -> No
     worker.shutdown()
 
 
+@pytest.mark.slow
 def test_kv_role_consumer_loads_only_and_producer_saves_only(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from pagedkv.integrations.vllm.scheduler import SchedulerSide

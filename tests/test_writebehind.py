@@ -9,11 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import crashkit
-import pagedkv
-from support import Model, engine_write
+from tests.kits.content import get_seed
+from tests.kits.crash import sigkill_loop
+from tests.kits.model import Model, append_or_undo, run_workers, step_one, verify_unless_pinned
+from tests.kits.powerloss import power_loss_loop
 
-WB_CYCLES = 300  # per mode, on top of T2's 1000 with write-behind off
+
+
+
+
+WB_CYCLES = 300  # per mode, on top of the 1000 of tests/test_crash.py with write-behind off
 
 
 def test_write_behind_spills_in_the_background(stores) -> None:
@@ -52,58 +57,37 @@ def test_write_behind_threads_steps_and_drops(stores, seed) -> None:
     store = stores.open(pool_pages=14, durability="nosync", write_behind=True)
     models = [Model(seed + n) for n in range(3)]
     guard = threading.Lock()
-    errors: list[BaseException] = []
 
     def worker(n: int) -> None:
         model, rng = models[n], random.Random(seed * 7 + n)
         names = iter(range(10**6))
-        try:
-            for _ in range(150):
-                with guard:
-                    live = [s for s in model.segs]
-                action = rng.random()
-                if action < 0.15 or not live:
-                    seq = f"w{n}-{next(names)}"
-                    store.create(seq)
-                    model.create(seq)
-                    continue
-                seq = rng.choice(live)
-                if action < 0.45:
-                    length = model.lens[seq]
-                    try:
-                        store.append(seq, *model.next_kv(seq, rng.randint(1, 7)))
-                    except pagedkv.PoolExhausted:
-                        model.undo(seq, length)
-                elif action < 0.6:
-                    try:
-                        model.verify(store, seq)
-                    except pagedkv.PoolExhausted:
-                        pass
-                elif action < 0.75:
-                    try:
-                        with store.step({seq: 1}) as s:
-                            engine_write(store, s, [model.next_kv(seq, 1)])
-                    except pagedkv.PoolExhausted:
-                        pass
-                elif action < 0.82 and len(live) > 2:
-                    store.drop(seq)
-                    model.drop(seq)
-                elif action < 0.9:
-                    dst = f"w{n}-{next(names)}"
-                    store.fork(seq, dst)
-                    model.fork(seq, dst)
-                else:
-                    store.commit()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(150):
+            with guard:
+                live = [s for s in model.segs]
+            action = rng.random()
+            if action < 0.15 or not live:
+                seq = f"w{n}-{next(names)}"
+                store.create(seq)
+                model.create(seq)
+                continue
+            seq = rng.choice(live)
+            if action < 0.45:
+                append_or_undo(store, model, seq, rng.randint(1, 7))
+            elif action < 0.6:
+                verify_unless_pinned(store, model, seq)
+            elif action < 0.75:
+                step_one(store, model, seq)
+            elif action < 0.82 and len(live) > 2:
+                store.drop(seq)
+                model.drop(seq)
+            elif action < 0.9:
+                dst = f"w{n}-{next(names)}"
+                store.fork(seq, dst)
+                model.fork(seq, dst)
+            else:
+                store.commit()
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(models))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(150)
-    assert not any(thread.is_alive() for thread in threads), "a worker deadlocked"
-    assert not errors, errors
+    run_workers(worker, len(models), 150)
     assert store.stats()["background_evictions"] > 0
     for model in models:
         for seq in model.segs:
@@ -111,15 +95,16 @@ def test_write_behind_threads_steps_and_drops(stores, seed) -> None:
     assert store.check() == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["durable", "nosync"])
 def test_write_behind_survives_sigkill(tmp_path: Path, monkeypatch, mode: str) -> None:
-    """The SIGKILL loop (T2) with write-behind on in every child: 0 wrong bytes, 0 lost pages,
+    """The SIGKILL loop with write-behind on in every child: 0 wrong bytes, 0 lost pages,
     0 lost acked commits, 0 reopen failures."""
     monkeypatch.setenv("PAGEDKV_WRITE_BEHIND", "1")
-    seed = crashkit.resolve_seed(f"write-behind SIGKILL {mode}")
-    result = crashkit.sigkill_loop(tmp_path / "store", mode, WB_CYCLES, seed,
-                                   artifact_root=tmp_path / "artifacts", name=f"WB-{mode}")
+    seed = get_seed(f"write-behind SIGKILL {mode}")
+    result = sigkill_loop(tmp_path / "store", mode, WB_CYCLES, seed,
+                          artifact_root=tmp_path / "artifacts", name=f"WB-{mode}")
     print(result.summary())
     assert result.violation_cycles == 0, result.summary()
     assert result.figures["lost_pages"] == 0 and result.figures["wrong_tokens"] == 0
@@ -144,13 +129,14 @@ def test_write_behind_content_is_exact_after_random_work(stores, seed) -> None:
     assert reopened.check() == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_write_behind_survives_power_loss(tmp_path: Path, monkeypatch) -> None:
-    """The power-loss loop (T4) with write-behind on: 0 lost committed pages, 0 wrong bytes."""
+    """The power-loss loop with write-behind on: 0 lost committed pages, 0 wrong bytes."""
     monkeypatch.setenv("PAGEDKV_WRITE_BEHIND", "1")
-    seed = crashkit.resolve_seed("write-behind power loss")
-    result = crashkit.power_loss_loop(tmp_path / "store", WB_CYCLES, seed,
-                                      name="WB-power", artifact_root=tmp_path / "artifacts")
+    seed = get_seed("write-behind power loss")
+    result = power_loss_loop(tmp_path / "store", WB_CYCLES, seed,
+                             name="WB-power", artifact_root=tmp_path / "artifacts")
     print(result.summary())
     assert result.violation_cycles == 0, result.summary()
     assert result.figures["lost_pages"] == 0 and result.figures["wrong_tokens"] == 0

@@ -1,12 +1,14 @@
 """Crash-safety soak runs of pagedkv (RELIABILITY.md T2, T3, T4) with a summary of figures.
 
-The loops are the ones of tests/test_crash.py (tests/crashkit.py), run at soak sizes:
+The loops are the ones of tests/test_crash.py (tests/kits/crash.py, crashpoints.py and
+powerloss.py), run at soak sizes, as a module from the repository root (it imports the kits as
+``tests.kits``; run as a file it says so and exits 2):
 
-    python tools/crashtest.py --cycles 5000                  # T2: SIGKILL loop, durable and nosync
-    python tools/crashtest.py --mode power --cycles 50000    # T4: simulated power loss
-    python tools/crashtest.py --mode points --hits 50        # T3: every crash point, hits 1..50
-    python tools/crashtest.py --mode mutation                # the oracles catch planted bugs
-    python tools/crashtest.py --mode all --seed 7 --dir /var/tmp
+    python -m tools.crashtest --cycles 5000                  # T2: SIGKILL loop, durable and nosync
+    python -m tools.crashtest --mode power --cycles 50000    # T4: simulated power loss
+    python -m tools.crashtest --mode points --hits 50        # T3: every crash point, hits 1..50
+    python -m tools.crashtest --mode mutation                # the oracles catch planted bugs
+    python -m tools.crashtest --mode all --seed 7 --dir /var/tmp
 
 SIGKILL loops keep their stores in the system temp dir (a real filesystem), power-loss loops
 on /dev/shm when it is a tmpfs; --dir (or PAGEDKV_CRASH_DIR) puts both elsewhere.
@@ -24,9 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+if not __package__:  # run as a file: the kits are importable only from the repository root
+    print("run it from the repository root as a module: python -m tools.crashtest [options]", file=sys.stderr)
+    sys.exit(2)
 
-import crashkit  # noqa: E402
+from tests.kits.content import get_seed
+from tests.kits.crash import sigkill_loop
+from tests.kits.crashpoints import POINTS, crashpoint_run
+from tests.kits.powerloss import GEOM_POWER, GEOM_POWER_SHARED, noflush_mutation, power_loss_loop
+from tests.kits.verdict import LoopResult, scratch_root
 
 MODES = ("durable", "nosync", "power", "power-shared", "points", "mutation")
 KEY_FIGURES = ("sigkilled", "state_acked", "state_acked+1", "acked_commits", "evictions", "restores",
@@ -63,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def progress_printer(every: int, total: int):
     started = time.monotonic()
 
-    def report(result: crashkit.LoopResult) -> None:
+    def report(result: LoopResult) -> None:
         if every and result.cycles % every == 0:
             rate = result.cycles / max(time.monotonic() - started, 1e-9)
             print(f"  [{result.name}] {result.cycles}/{total} cycles, {result.violation_cycles} violating, "
@@ -73,44 +81,44 @@ def progress_printer(every: int, total: int):
 
 
 def run_mode(mode: str, args: argparse.Namespace, seed: int, kill_work: Path, power_work: Path,
-             artifacts: Path) -> tuple[list[crashkit.LoopResult], list[str]]:
+             artifacts: Path) -> tuple[list[LoopResult], list[str]]:
     """Run one loop; return its results and the reasons it failed (empty when it passed)."""
     cycles, failures = args.cycles, []
     work = power_work if mode.startswith("power") else kill_work
     report = progress_printer(args.progress, cycles)
     if mode in ("durable", "nosync"):
-        result = crashkit.sigkill_loop(work / f"t2-{mode}", mode, cycles, seed, kill_max_ms=args.kill_max_ms,
-                                       artifact_root=artifacts, progress=report)
+        result = sigkill_loop(work / f"t2-{mode}", mode, cycles, seed, kill_max_ms=args.kill_max_ms,
+                              artifact_root=artifacts, progress=report)
         return [result], ["violations"] if result.violation_cycles else []
     if mode in ("power", "power-shared"):
-        geom = crashkit.GEOM_POWER if mode == "power" else crashkit.GEOM_POWER_SHARED
-        result = crashkit.power_loss_loop(work / f"t4-{mode}", cycles, seed, geom=geom,
-                                          name=f"T4-{mode}", artifact_root=artifacts, progress=report)
+        geom = GEOM_POWER if mode == "power" else GEOM_POWER_SHARED
+        result = power_loss_loop(work / f"t4-{mode}", cycles, seed, geom=geom,
+                                 name=f"T4-{mode}", artifact_root=artifacts, progress=report)
         return [result], ["violations"] if result.violation_cycles else []
     if mode == "points":
         results = []
         for durability in ("durable", "nosync"):
-            result = crashkit.crashpoint_run(work / f"t3-{durability}", durability, seed, crashkit.POINTS,
-                                             range(1, args.hits + 1), sessions=max(6, args.hits // 4 + 2),
-                                             ops_per_session=24 if args.hits <= 5 else 40,
-                                             artifact_root=artifacts)
+            result = crashpoint_run(work / f"t3-{durability}", durability, seed, POINTS,
+                                    range(1, args.hits + 1), sessions=max(6, args.hits // 4 + 2),
+                                    ops_per_session=24 if args.hits <= 5 else 40,
+                                    artifact_root=artifacts)
             results.append(result)
-            silent = [p for p in crashkit.POINTS if not result.figures[f"fired:{p}"]]
+            silent = [p for p in POINTS if not result.figures[f"fired:{p}"]]
             if result.violation_cycles:
                 failures.append(f"{result.name}: violations")
             if silent:
                 failures.append(f"{result.name}: points never fired: {silent}")
         return results, failures
     # mutation: each planted bug must be caught by the loop that guards against it
-    undo = crashkit.noflush_mutation()
+    undo = noflush_mutation()
     try:
-        t4 = crashkit.power_loss_loop(power_work / "mut-t4", 100, seed, name="T4-mutation-noflush",
-                                      artifact_root=power_work / "mutation-artifacts")
+        t4 = power_loss_loop(power_work / "mut-t4", 100, seed, name="T4-mutation-noflush",
+                             artifact_root=power_work / "mutation-artifacts")
     finally:
         undo()
-    t2 = crashkit.sigkill_loop(work / "mut-t2", "nosync", 400, seed, mutation="reuse-pending",
-                               name="T2-mutation-reuse-pending", stop_after_lost=True,
-                               artifact_root=work / "mutation-artifacts")
+    t2 = sigkill_loop(work / "mut-t2", "nosync", 400, seed, mutation="reuse-pending",
+                      name="T2-mutation-reuse-pending", stop_after_lost=True,
+                      artifact_root=work / "mutation-artifacts")
     if t4.figures["flagged_cycles"] < 90:
         failures.append(f"T4 flagged only {t4.figures['flagged_cycles']} of 100 no-flush cycles")
     if not t2.figures["lost_pages"]:
@@ -124,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         print("unset PAGEDKV_CRASHPOINT first: it would kill this process", file=sys.stderr)
         return 2
     if args.seed is None:
-        seed = crashkit.resolve_seed("crashtest")
+        seed = get_seed("crashtest")
     else:
         seed = args.seed
         print(f"PAGEDKV_SEED={seed} (crashtest)", flush=True)
     workdirs = []
     for power_loss in (False, True):
-        base = args.dir or crashkit.scratch_root(power_loss)
+        base = args.dir or scratch_root(power_loss)
         if base is not None:
             base.mkdir(parents=True, exist_ok=True)
         workdirs.append(Path(tempfile.mkdtemp(prefix="pagedkv-crashtest-", dir=base)))

@@ -1,7 +1,7 @@
 """A mutation campaign over pagedkv stores of known content: damage is a typed error, never wrong bytes.
 
 For each spill codec a base store is built whose content is a function of (seed, sequence,
-position) (``support.kv``): sequences with token ids sharing prefix pages, a fork, the cached
+position) (``tests.kits.content.kv``): sequences with token ids sharing prefix pages, a fork, the cached
 pages of a dropped sequence, most pages spilled, several commits. Each copy of it is damaged
 one way (a *kind*: bit flips, byte runs, truncation, extension, swapped data.mdb pages, flips
 aimed at LMDB's structure, LMDB values exchanged, moved, deleted or rolled back to an earlier
@@ -23,25 +23,28 @@ The bar is 0 WRONG, UNTYPED, CRASH and HANG; the exit status is 1 when it is not
 ``--strict``, LOST fails it too). Expected bytes are regenerated from the seed, never stored;
 for the lossy int8 codec a page may also read as the undamaged store returned it.
 
-    python tools/mutate.py                          # 2000 copies per codec, 2 jobs
-    python tools/mutate.py --codec raw --copies 300 --seed 7
-    python tools/mutate.py --kind mdb-flip,lmdb-swap --keep /tmp/failing
-    python tools/mutate.py --replay /tmp/failing/raw-000123    # one kept copy again, every note
+    python -m tools.mutate                          # 2000 copies per codec, 2 jobs
+    python -m tools.mutate --codec raw --copies 300 --seed 7
+    python -m tools.mutate --kind mdb-flip,lmdb-swap --keep /tmp/failing
+    python -m tools.mutate --replay /tmp/failing/raw-000123    # one kept copy again, every note
 
 Copies that miss the bar (and LOST ones) are kept under ``--keep`` as ``<codec>-<index>/``:
 ``store/`` is the damaged copy as it was before any check touched it, ``case.json`` the seed,
 kind, damage and outcome. The seed is printed; ``PAGEDKV_SEED`` sets it.
+
+It runs as a module from the repository root (``python -m tools.mutate``), so that it imports
+the test suite's kits (``tests.kits``: content, model, files, child processes) by their package
+name, as the tests do, and no path is patched; ``tests/test_damage_campaign.py`` imports it
+as ``tools.mutate``. Run as a file (``python tools/mutate.py``) it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import faulthandler
 import gc
 import json
 import os
-import pickle
 import random
 import select
 import shutil
@@ -50,44 +53,41 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-# Loaded from its path (support.load_tool) the module has no sys.modules entry, yet dataclasses
-# and pickle (results come back from forked children pickled) find classes by module name:
-# give them one, filled in at the end of this file.
-_UNLISTED = __name__ not in sys.modules
-if _UNLISTED:
-    sys.modules[__name__] = types.ModuleType(__name__)
+if not __package__:  # run as a file: the kits are importable only from the repository root
+    print("run it from the repository root as a module: python -m tools.mutate [options]", file=sys.stderr)
+    sys.exit(2)
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
+import msgpack
+import numpy as np
 
-import pagedkv  # noqa: E402
-from pagedkv import Geometry, PagedKVError  # noqa: E402
-from pagedkv.storage.codecs import CODECS, LOSSY  # noqa: E402
+import pagedkv
+from pagedkv import Geometry, PagedKVError
+from pagedkv.storage.codecs import CODECS, LOSSY
 
-import faultkit  # noqa: E402
-from faultkit import DATA_MDB, HEADER_FIELDS, HEADER_NBYTES, POOL, Tally, describe  # noqa: E402
-from support import Model, get_seed, kv  # noqa: E402
-from test_corruption import META_END, mdb_pages  # noqa: E402
+from tests.kits import files
+from tests.kits.child import Channel, Child, describe
+from tests.kits.content import get_seed, kv
+from tests.kits.faults import Tally
+from tests.kits.files import DATA_MDB, DBS, HEADER_FIELDS, HEADER_NBYTES, POOL
+from tests.kits.lmdbfile import META_END, PSIZE, mdb_pages
+from tests.kits.model import Model
 
 # 2 KiB pages of 8 tokens: a raw spill record outgrows an LMDB leaf node and takes an overflow
 # page, an int8 one stays inline, so both layouts are in every data.mdb.
 GEOM = Geometry(layers=2, kv_heads=2, head_dim=8, page_size=8, dtype="float32")
 POOL_PAGES = 8
 MODEL_NAME = "pagedkv-mutation"
-MDB_PAGE = 4096
+MDB_PAGE = PSIZE
 
 OUTCOMES = ("OK", "STALE", "TYPED", "LOST", "WRONG", "UNTYPED", "CRASH", "HANG")
 BAR = ("WRONG", "UNTYPED", "CRASH", "HANG")
 _RANK = {name: rank for rank, name in enumerate(OUTCOMES)}
-DBS = ("meta", "seqs", "dir", "pages", "tokens")
 
 # Tokens appended to each base sequence by the writer's second phase (with ids where it had them).
 PHASE2_APPENDS = {"a": 5, "b": 4, "b2": 9, "c": 2, "c2": 6, "d": 7, "e": 11}
@@ -95,50 +95,24 @@ PHASE2_APPENDS = {"a": 5, "b": 4, "b2": 9, "c": 2, "c2": 6, "d": 7, "e": 11}
 
 # -- the base store ------------------------------------------------------------------------
 
-_NO_TOP_EXPONENT_BIT = np.uint32(0xBFFFFFFF)
-
-
 class Content(Model):
-    """``support.Model`` whose content may be kept finite, for a lossy codec to quantise.
+    """``kits.model.Model`` whose content may be kept finite, for a lossy codec to quantise.
 
-    ``support.kv`` gives raw bits, so a page of 2 KiB almost always holds a NaN or an
-    Inf, and int8 falls back to zstd for such pages. With ``finite``, every content key
-    but those of sequence ``raw_seq`` has the top exponent bit of each value cleared
-    (|x| < 2, never NaN or Inf): still a function of (seed, key, position), so int8
-    quantises most pages while ``raw_seq``'s pages keep the zstd fallback in play.
+    ``kits.content.kv`` gives raw bits, so a page of 2 KiB almost always holds a NaN or an
+    Inf, and int8 falls back to zstd for such pages. With ``finite``, every content key but
+    those of sequence ``raw_seq`` has the top exponent bit of each value cleared (|x| < 2,
+    never NaN or Inf): still a function of (seed, key, position), so int8 quantises most
+    pages while ``raw_seq``'s pages keep the zstd fallback in play.
     """
 
     def __init__(self, seed: int, geom: Geometry, finite: bool = False, raw_seq: str = "e") -> None:
         super().__init__(seed, geom)
         self.finite, self.raw_seq = finite, raw_seq
 
-    def tame(self, key: Any, arrays: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """``arrays`` (K and V of content key ``key``) as this model's content has them."""
-        if not self.finite or (isinstance(key, tuple) and key and key[0] == self.raw_seq):
-            return arrays
-        k, v = (np.bitwise_and(np.ascontiguousarray(a).view(np.uint32), _NO_TOP_EXPONENT_BIT).view(a.dtype)
-                for a in arrays)
-        return k, v
-
-    def next_kv(self, seq: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The K/V of the next ``n`` tokens of ``seq`` (recorded as appended)."""
-        return self.tame(self.keys[seq], super().next_kv(seq, n))
-
-    def expected(self, seq: Any, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of tokens [start, stop) of ``seq``, segment by segment."""
-        stop = self.lens[seq] if stop is None else stop
-        ks, vs = [], []
-        for key, s0, n in self.segs[seq]:
-            a, b = max(start, s0), min(stop, s0 + n)
-            if a < b:
-                k, v = self.tame(key, kv(self.seed, key, a, b - a, self.geom))
-                ks.append(k)
-                vs.append(v)
-        if not ks:
-            empty = np.empty((self.geom.layers, 0, self.geom.kv_heads, self.geom.head_dim), self.geom.np_dtype)
-            return empty, empty.copy()
-        return np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
-
+    def content(self, key: Any, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of tokens [start, start + n) of content key ``key``, finite unless ``raw_seq``'s."""
+        raw = not self.finite or (isinstance(key, tuple) and key and key[0] == self.raw_seq)
+        return kv(self.seed, key, start, n, self.geom, finite=not raw)
 
 
 @dataclass
@@ -260,7 +234,7 @@ def build_base(path: str, codec: str, seed: int) -> Base:
         store.commit()
         states.append(dict(model.lens))
         # LMDB opens an environment once per process: read this commit's records from a copy.
-        snapshot = faultkit.copy_store(path, f"{path}.commit{len(states)}")
+        snapshot = files.copy_store(path, f"{path}.commit{len(states)}")
         history.append(read_values(str(snapshot)))
         shutil.rmtree(snapshot)
 
@@ -296,9 +270,9 @@ def build_base(path: str, codec: str, seed: int) -> Base:
 
 def read_values(path: str) -> dict[str, dict[bytes, bytes]]:
     """Every record of every database of a closed store."""
-    env = faultkit.spill_env(path, readonly=True, lock=False)
+    env = files.spill_env(path, readonly=True, lock=False)
     try:
-        dbs = faultkit.spill_dbs(env)
+        dbs = files.spill_dbs(env)
         with env.begin() as txn:
             return {name: {bytes(k): bytes(v) for k, v in txn.cursor(db=db)} for name, db in dbs.items()}
     finally:
@@ -576,11 +550,11 @@ def apply(path: str, mutation: Mutation) -> None:
     for op in mutation.ops:
         name = op[0]
         if name == "flip":
-            faultkit.flip_bit(os.path.join(path, op[1]), op[2], op[3])
+            files.flip_bit(os.path.join(path, op[1]), op[2], op[3])
         elif name == "write":
-            faultkit.poke(os.path.join(path, op[1]), op[2], op[3])
+            files.poke(os.path.join(path, op[1]), op[2], op[3])
         elif name == "resize":
-            faultkit.resize(os.path.join(path, op[1]), op[2])
+            files.resize(os.path.join(path, op[1]), op[2])
         elif name == "append":
             with open(os.path.join(path, op[1]), "ab") as fh:
                 fh.write(op[2])
@@ -591,16 +565,16 @@ def apply(path: str, mutation: Mutation) -> None:
                 first = fh.read(length)
                 fh.seek(b)
                 second = fh.read(length)
-            faultkit.poke(file, a, second)
-            faultkit.poke(file, b, first)
+            files.poke(file, a, second)
+            files.poke(file, b, first)
         elif name == "header":
-            fields = faultkit.read_header(path)
+            fields = files.read_header(path)
             fields[op[1]] = op[2]
-            faultkit.write_header(path, fields)
+            files.write_header(path, fields)
         elif name == "lmdb":
-            env = faultkit.spill_env(path)
+            env = files.spill_env(path)
             try:
-                dbs = faultkit.spill_dbs(env)
+                dbs = files.spill_dbs(env)
                 with env.begin(write=True) as txn:
                     for action, db, key, value in op[1]:
                         if action == "put":
@@ -953,35 +927,17 @@ class Unit:
     case: Any
     mode: str
     path: str
-    pid: int = 0
-    fd: int = -1
-    pidfd: int = -1
-    started: float = 0.0
-    deadline: float = 0.0
-    chunks: list[bytes] = field(default_factory=list)
     err_path: str = ""
+    child: Child | None = None
+    deadline: float = 0.0
 
 
-def _child_main(unit: Unit, fn: Callable[[], Any], write_fd: int) -> None:
-    code = 0
+def _answer(chan: Channel, fn: Callable[[], Any]) -> None:
     try:
-        faulthandler.disable()  # a crash is the parent's finding, not a traceback dump
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        err = os.open(unit.err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 1)
-        os.dup2(err, 2)
-        os.close(err)
-        try:
-            payload = ("ok", fn())
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            payload = ("raised", describe(exc) + "\n" + traceback.format_exc())
-        view = memoryview(pickle.dumps(payload))
-        while view:
-            view = view[os.write(write_fd, view):]
-    except BaseException:  # noqa: BLE001
-        code = 70
-    finally:
-        os._exit(code)
+        payload = ("ok", fn())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        payload = ("raised", describe(exc) + "\n" + traceback.format_exc())
+    chan.send(payload)
 
 
 class Runner:
@@ -992,40 +948,21 @@ class Runner:
         self.running: dict[int, Unit] = {}
 
     def start(self, unit: Unit, fn: Callable[[], Any]) -> None:
-        """Fork a child running ``fn()`` for ``unit``; its result comes back pickled through a pipe."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read_fd)
-            try:
-                os.setpgid(0, 0)  # its own group: a timeout ends what it forked too
-            except OSError:
-                pass
-            _child_main(unit, fn, write_fd)
-        os.close(write_fd)
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass  # it already did, or already exited
-        unit.pid, unit.fd, unit.started = pid, read_fd, time.monotonic()
-        unit.deadline = unit.started + self.timeout
-        unit.pidfd = os.pidfd_open(pid)
-        self.running[read_fd] = unit
+        """Fork a child running ``fn()`` for ``unit`` in its own process group (a timeout ends
+        what it forked too), its output to ``unit.err_path``; its result comes back pickled."""
+        unit.child = Child(_answer, fn, own_group=True, output=unit.err_path)
+        unit.deadline = unit.child.started + self.timeout
+        self.running[unit.child.chan.read_fd] = unit
 
     def wait_any(self) -> list[tuple[Unit, dict[str, Any]]]:
         """Block until at least one child ends (or hangs); return each with how it ended."""
         done: list[tuple[Unit, dict[str, Any]]] = []
         while not done and self.running:
-            now = time.monotonic()
-            left = max(0.0, min(u.deadline for u in self.running.values()) - now)
+            left = max(0.0, min(u.deadline for u in self.running.values()) - time.monotonic())
             ready, _, _ = select.select(list(self.running), [], [], left)
             for fd in ready:
                 unit = self.running[fd]
-                chunk = os.read(fd, 1 << 16)
-                if chunk:
-                    unit.chunks.append(chunk)
+                if unit.child.chan.fill():
                     continue
                 del self.running[fd]
                 done.append((unit, self._reap(unit, hung=False)))
@@ -1037,45 +974,30 @@ class Runner:
         return done
 
     def _reap(self, unit: Unit, hung: bool) -> dict[str, Any]:
-        elapsed = time.monotonic() - unit.started
-        if not hung:
-            # EOF: the child wrote its result and is exiting; wait for it on its pidfd, bounded.
-            ready, _, _ = select.select([unit.pidfd], [], [], max(1.0, unit.deadline - time.monotonic()))
-            hung = not ready
+        child = unit.child
+        elapsed = time.monotonic() - child.started
         if hung:
-            try:
-                os.killpg(unit.pid, signal.SIGKILL)
-            except OSError:
-                os.kill(unit.pid, signal.SIGKILL)
-        _, status = os.waitpid(unit.pid, 0)
-        if hung:
-            try:  # anything it forked and left behind shares its group
-                os.killpg(unit.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        os.close(unit.fd)
-        os.close(unit.pidfd)
+            child.kill()
+        else:  # EOF: the child wrote its result and is exiting; a bounded wait for it
+            child.wait(timeout=max(1.0, unit.deadline - time.monotonic()))
         stderr = _tail(unit.err_path)
-        if hung:
+        if child.killed:
             return {"status": "timeout", "elapsed": elapsed, "stderr": stderr}
-        if os.WIFSIGNALED(status):
-            return {"status": "signal", "signal": os.WTERMSIG(status), "elapsed": elapsed, "stderr": stderr}
-        data = b"".join(unit.chunks)
-        if not data:
-            return {"status": "exit", "code": os.WEXITSTATUS(status), "elapsed": elapsed, "stderr": stderr}
-        kind, value = pickle.loads(data)
+        if child.signalled is not None:
+            return {"status": "signal", "signal": child.signalled, "elapsed": elapsed, "stderr": stderr}
+        ready, message = child.chan.take()
+        if not ready:
+            return {"status": "exit", "code": child.exit_code, "elapsed": elapsed, "stderr": stderr}
+        if message[0] == "crashed":
+            return {"status": "raised", "value": f"{message[1]}\n{message[2]}", "elapsed": elapsed,
+                    "stderr": stderr}
+        kind, value = message
         return {"status": kind, "value": value, "elapsed": elapsed, "stderr": stderr}
 
     def kill_all(self) -> None:
         """End and reap every child still running (and what it forked)."""
         for unit in self.running.values():
-            try:
-                os.killpg(unit.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            os.waitpid(unit.pid, 0)
-            os.close(unit.fd)
-            os.close(unit.pidfd)
+            unit.child.kill()
         self.running.clear()
 
 
@@ -1182,14 +1104,14 @@ class Summary:
 
 def scratch_dir(where: str | None) -> str:
     """A private scratch directory, on tmpfs when there is one (the syncs cost nothing there)."""
-    return tempfile.mkdtemp(prefix="pagedkv-mutate-", dir=where or faultkit._tmpfs_base())
+    return tempfile.mkdtemp(prefix="pagedkv-mutate-", dir=where or files.tmpfs_base())
 
 
 def prepare(base: Base, runner: Runner, work: str) -> None:
     """Record the undamaged copy's answers in both modes, and check that they are all right."""
     for mode in ("ro", "rw"):
         copy_path = os.path.join(work, f"{base.codec}-reference-{mode}")
-        faultkit.copy_store(base.path, copy_path)
+        files.copy_store(base.path, copy_path)
         unit = Unit(None, mode, copy_path, err_path=copy_path + ".err")
         runner.start(unit, lambda p=copy_path, m=mode: examine(base, p, m, record=True))
         ((_, end),) = runner.wait_any()
@@ -1232,7 +1154,7 @@ def campaign(copies: int, codecs: Iterable[str] = CODECS, seed: int | None = Non
                         case, mode = waiting.popleft()
                     else:
                         case, mode = pending.popleft(), "ro"
-                        faultkit.copy_store(base.path, case.path)
+                        files.copy_store(base.path, case.path)
                         apply(case.path, case.mutation)
                     unit = Unit(case, mode, case.path, err_path=f"{case.path}.{mode}.err")
                     runner.start(unit, lambda c=case, m=mode: examine(base, c.path, m))
@@ -1287,13 +1209,13 @@ def keep_case(keep: str, base: Base, case: Case) -> str:
     shutil.rmtree(target, ignore_errors=True)
     os.makedirs(target, exist_ok=True)
     store = os.path.join(target, "store")
-    faultkit.copy_store(base.path, store)
+    files.copy_store(base.path, store)
     apply(store, case.mutation)
     info = {"seed": base.seed, "codec": case.codec, "index": case.index, "kind": case.mutation.kind,
             "what": case.mutation.what, "outcome": case.outcome, "ops": ops_json(case.mutation.ops),
             "results": {mode: {"outcome": r[0], "first": r[1], "notes": r[2].get("notes", {})}
                         for mode, r in case.results.items()},
-            "replay": f"python tools/mutate.py --replay {target}"}
+            "replay": f"python -m tools.mutate --replay {target}"}
     Path(target, "case.json").write_text(json.dumps(info, indent=1, default=repr))
     return target
 
@@ -1310,7 +1232,7 @@ def replay(target: str, timeout: float) -> int:
         prepare(base, runner, work)
         for mode in ("ro", "rw"):
             path = os.path.join(work, f"copy-{mode}")
-            faultkit.copy_store(os.path.join(target, "store"), path)
+            files.copy_store(os.path.join(target, "store"), path)
             unit = Unit(None, mode, path, err_path=path + ".err")
             runner.start(unit, lambda p=path, m=mode: examine(base, p, m))
             ((_, end),) = runner.wait_any()
@@ -1389,8 +1311,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-if _UNLISTED:
-    sys.modules[__name__].__dict__.update(globals())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for support
+import pagedkv
 
-import pagedkv  # noqa: E402
-from support import GEOM, kv, same_bits  # noqa: E402
+from tests.kits.content import kv, same_bits  # the repository root is on PYTHONPATH (test_remote.py)
+from tests.kits.store import GEOM
 
 
 def prompt_ids(count: int, seed: int) -> np.ndarray:

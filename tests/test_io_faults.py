@@ -1,15 +1,15 @@
-"""I/O fault loops (T5) and real resource exhaustion (T6).
+"""I/O fault loops (RELIABILITY.md T5): every I/O op of a workload fails in turn, once or for ever.
 
-T5, SQLite style: each workload is run once to count the I/O ops it performs
+SQLite style: each workload is run once to count the I/O ops it performs
 (``pagedkv.faults.io``: fallocate, flush, put, commit, set_mapsize); then, for every
 k, it is run again with op k failing once, and with op k and every later op failing.
 Each run must raise a typed error (``StoreIOError``/``StoreFull``), leave the handle
 poisoned (``StoreClosed``), and leave on disk exactly the last returned commit or,
 when the failing call was itself a commit, the one it was making; after a fail-once
-the store reopens and the rest of the workload completes.
+the store reopens and the rest of the workload completes. A fault may also strike the
+reopen that follows a crash, or a volatile re-creation.
 
-T6: ``RLIMIT_FSIZE`` in a child (SIGXFSZ ignored) during creation, growth and
-eviction, and LMDB map growth from a 1 MiB map under 10 MiB of spill.
+Real exhaustion (a file size limit, a full disk, a full LMDB map): tests/test_exhaustion.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import copy
 import errno
 import os
 import random
-import resource
 import shutil
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,13 +26,19 @@ from typing import Any
 import pytest
 
 import pagedkv
-from faultkit import TYPED_IO, Injector, copy_store, describe, fast_tmp, in_child, scales, soak  # noqa: F401
-from pagedkv import Geometry, PagedKVError, StoreClosed
-from support import GEOM, Model, build_committed, get_seed
+from pagedkv import PagedKVError, StoreClosed
+
+from tests.kits.child import describe
+from tests.kits.content import get_seed
+from tests.kits.faults import ABSENT, PROBE, TYPED_IO, Injector, disk_state, model_state, scales, soak
+from tests.kits.files import copy_store
+from tests.kits.model import Model, build_committed
+from tests.kits.store import GEOM
+
+
 
 POOL_PAGES = 8
 SMALL_MAP = 64 << 10  # small enough that the workloads grow the LMDB map (set_mapsize ops)
-PROBE = "__poison_probe__"
 
 # -- workloads ----------------------------------------------------------------------------
 # A step is a tuple: ("open", kwargs) | ("create", seq) | ("append", seq, tokens) |
@@ -128,34 +132,6 @@ def apply(ctx: Ctx, step: tuple[Any, ...]) -> None:
 
 
 # -- states on disk -------------------------------------------------------------------------
-
-ABSENT = "absent"
-
-
-def disk_state(path: Path) -> Any:
-    """What a read-only open sees: {seq: (length, K bytes, V bytes)}, or ABSENT."""
-    if not path.exists():
-        return ABSENT
-    store = pagedkv.open(path, readonly=True)
-    try:
-        out = {}
-        for seq in store.sequences():
-            k, v = store.read(seq)
-            out[seq] = (store.length(seq), k.tobytes(), v.tobytes())
-        return out
-    finally:
-        store.close()
-
-
-def model_state(model: Model | None) -> Any:
-    if model is None:
-        return ABSENT
-    out = {}
-    for seq in model.segs:
-        k, v = model.expected(seq)
-        out[seq] = (model.lens[seq], k.tobytes(), v.tobytes())
-    return out
-
 
 @dataclass
 class Reference:
@@ -338,6 +314,7 @@ def fault_loop(tmp_path: Path, workload: Workload, forever: bool, seed: int) -> 
     return report, total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forever", [False, True], ids=["once", "forever"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_io_fault_every_op(fast_tmp: Path, name: str, forever: bool) -> None:
@@ -458,6 +435,7 @@ def compound_runs(tmp_path: Path, seed: int, runs: int) -> Report:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 def test_io_fault_during_reopen_after_crash(fast_tmp: Path, scale: str) -> None:
     seed = get_seed("T5 compound")
@@ -486,213 +464,6 @@ def test_io_fault_during_volatile_recreate(tmp_path: Path, k: int) -> None:
         assert again.check() == []
     finally:
         again.close()
-
-
-# -- T6: real exhaustion without root -----------------------------------------------------------
-
-FSIZE_POOL = 160  # 4 KiB header + 160 x 512 B = 84 KiB: limits from 64 KiB fail creation
-FSIZE_SEQS = 6
-FSIZE_CHUNK = 37  # tokens per append
-FSIZE_ROUNDS = 8
-
-
-def fsize_workload(path: str, limit: int | None, seed: int) -> dict[str, Any]:
-    """Create a store and grow it under a file-size limit; report what was acked and the error."""
-    if limit is not None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    model = Model(seed)
-    acked: Model | None = None
-    pending: Model | None = None
-    phase = "create"
-    store = None
-    try:
-        pending = copy.deepcopy(model)
-        store = pagedkv.open(path, GEOM, FSIZE_POOL)
-        acked, pending = pending, None
-        phase = "grow"
-        for rnd in range(FSIZE_ROUNDS):
-            for s in range(FSIZE_SEQS):
-                seq = f"s{s}"
-                if rnd == 0:
-                    model.create(seq)
-                    store.create(seq)
-                k, v = model.next_kv(seq, FSIZE_CHUNK)
-                store.append(seq, k, v)
-                if phase == "grow" and store.stats()["evictions"]:
-                    phase = "evict"  # the pool is full: pages now spill to LMDB
-            if rnd % 3 == 2:  # read back an early sequence: restores evict others
-                model.verify(store, "s0")
-            pending = copy.deepcopy(model)
-            store.commit()
-            acked, pending = pending, None
-        pending = copy.deepcopy(model)
-        store.close()
-        acked, pending = pending, None
-        return dict(error=None, phase="done", acked=acked, pending=None)
-    except PagedKVError as exc:
-        if store is not None:
-            poisoned = True
-            try:
-                store.create(PROBE)
-                poisoned = False
-            except StoreClosed:
-                pass
-            store._abandon()
-        else:
-            poisoned = None
-        return dict(error=describe(exc), type=type(exc).__name__, phase=phase, acked=acked,
-                    pending=pending, poisoned=poisoned)
-
-
-def _sizes(path: Path) -> int:
-    return max(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(path) for name in names)
-
-
-@pytest.mark.parametrize("scale", scales())
-def test_fsize_limit_create_grow_evict(tmp_path: Path, scale: str) -> None:
-    seed = get_seed("T6 fsize")
-    rng = random.Random(seed)
-    ref = in_child(fsize_workload, str(tmp_path / "ref" / "store"), None, seed, timeout=60)
-    assert ref.status == "ok" and ref.value["error"] is None, str(ref)
-    biggest = _sizes(tmp_path / "ref" / "store")
-    count = {"ci": 20, "soak": 500}[scale]
-    pool_size = 4096 + FSIZE_POOL * GEOM.page_nbytes
-    # A quarter of the limits fall below pool.bin's size (creation fails), the rest during growth.
-    limits = sorted({64 << 10, *(rng.randrange(64 << 10, pool_size) for _ in range(count // 4 - 1)),
-                     *(rng.randrange(pool_size, biggest + 4096) for _ in range(count - count // 4))})
-    problems: list[str] = []
-    phases: dict[str, int] = {}
-    kinds: dict[str, int] = {}
-    for limit in limits:
-        root = tmp_path / f"lim{limit}"
-        path = root / "store"
-        result = in_child(fsize_workload, str(path), limit, seed, timeout=60)
-        where = f"limit {limit}"
-        if result.status != "ok":
-            problems.append(f"{where}: child {result}")
-            continue
-        out = result.value
-        phases[out["phase"]] = phases.get(out["phase"], 0) + 1
-        if out["error"] is not None:
-            # LMDB reports a short write at the limit as EIO; pagedkv names the real cause.
-            if out["type"] != "StoreFull" or not any(code in out["error"] for code in ("EFBIG", "ENOSPC")):
-                problems.append(f"{where}: {out['phase']} raised {out['error']}, not StoreFull naming EFBIG")
-            kinds[out["type"]] = kinds.get(out["type"], 0) + 1
-            if out["poisoned"] is False:
-                problems.append(f"{where}: handle not poisoned after {out['type']}")
-        leftovers = [n for n in os.listdir(root) if n != "store"]
-        if leftovers:
-            problems.append(f"{where}: half-created files left beside the store: {leftovers}")
-        # Without the limit: the last acked commit (or the one being made), every page intact.
-        allowed = [model_state(out["acked"])]
-        if out["pending"] is not None:
-            allowed.append(model_state(out["pending"]))
-        try:
-            state = disk_state(path)
-        except BaseException as exc:  # noqa: BLE001
-            problems.append(f"{where}: reopen without the limit failed: {describe(exc)}")
-            continue
-        if state not in allowed:
-            lost = "absent" if state == ABSENT else "differs from the acked commit"
-            problems.append(f"{where}: after {out['error']} the store {lost} (lost committed pages)")
-            continue
-        if state != ABSENT:
-            store = pagedkv.open(path)
-            try:
-                if store.check():
-                    problems.append(f"{where}: check() {store.check()[:3]}")
-                store.create("after")  # the disk is fine again: the store works
-                store.commit()
-            except BaseException as exc:  # noqa: BLE001
-                problems.append(f"{where}: writing after the limit was lifted: {describe(exc)}")
-            finally:
-                store.close()
-    print(f"T6 fsize: {len(limits)} limits in 64 KiB..{biggest + 4096}, outcomes by phase {phases}, errors {kinds}")
-    assert not problems, "\n".join(problems[:20])
-    assert phases.get("create", 0) >= 1, "no limit hit the creation phase"
-    assert len(phases) >= 2, f"the limits hit only {phases}"
-
-
-BIG = Geometry(layers=2, kv_heads=4, head_dim=64, page_size=16, dtype="float32")  # 64 KiB pages
-
-
-def test_map_full_grows_or_fails_typed(tmp_path: Path) -> None:
-    """A 1 MiB map under 10 MiB of spill grows on its own (or fails typed), never a partial commit."""
-    seed = get_seed("T6 mapfull")
-    path = tmp_path / "store"
-    store = pagedkv.open(path, BIG, 16, map_size=1 << 20)
-    model = Model(seed, BIG)
-    committed = copy.deepcopy(model)
-    error = None
-    try:
-        for i in range(14):
-            seq = f"s{i}"
-            store.create(seq)
-            model.create(seq)
-            for _ in range(4):
-                k, v = model.next_kv(seq, 56)
-                store.append(seq, k, v)
-            store.commit()
-            committed = copy.deepcopy(model)
-        spilled = store.stats()["bytes_spilled"]
-        map_size = store._spill.env.info()["map_size"]
-        store.close()
-    except PagedKVError as exc:
-        error = exc
-        assert isinstance(exc, TYPED_IO), describe(exc)
-        store._abandon()
-    print(f"T6 map full: error={error!r}")
-    if error is None:
-        assert spilled >= 10 << 20, spilled
-        assert map_size > 1 << 20, map_size
-        print(f"T6 map full: spilled {spilled >> 20} MiB, map grew 1 MiB -> {map_size >> 20} MiB")
-    reopened = pagedkv.open(path)
-    try:
-        committed.verify_all(reopened)
-        assert reopened.check() == []
-    finally:
-        reopened.close()
-
-
-def test_map_growth_refused_is_typed_and_atomic(tmp_path: Path) -> None:
-    """When the map may not grow (set_mapsize fails forever) the eviction fails typed, atomically."""
-    path = tmp_path / "store"
-    model = Model(3, BIG)
-    store = pagedkv.open(path, BIG, 8, map_size=1 << 20)
-    store.create("a")
-    model.create("a")
-    k, v = model.next_kv("a", 16 * 6)
-    store.append("a", k, v)
-    store.commit()
-    committed = copy.deepcopy(model)
-    seen: list[str] = []
-
-    def fail_growth(op: str) -> None:
-        seen.append(op)
-        if op == "set_mapsize":
-            raise OSError(errno.ENOSPC, "injected: the map may not grow")
-
-    pagedkv.faults.set_injector(fail_growth)
-    try:
-        with pytest.raises(PagedKVError) as info:
-            for _ in range(40):
-                k, v = model.next_kv("a", 16)
-                store.append("a", k, v)
-    finally:
-        pagedkv.faults.set_injector(None)
-    assert "set_mapsize" in seen, seen
-    assert isinstance(info.value, TYPED_IO), describe(info.value)
-    with pytest.raises(StoreClosed):
-        store.commit()
-    store.close()
-    reopened = pagedkv.open(path, readonly=True)
-    try:
-        committed.verify_all(reopened)
-    finally:
-        reopened.close()
 
 
 def test_ops_counter_sees_no_io_in_readonly_open(tmp_path: Path) -> None:

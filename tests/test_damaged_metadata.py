@@ -23,14 +23,19 @@ import pytest
 from click.testing import CliRunner
 
 import pagedkv
-from faultkit import spill_dbs, spill_env
 from pagedkv import PageCorrupt, StoreCorrupt
 from pagedkv.cli.commands import cli
 from pagedkv.storage.metarecord import TAG_META, seal
 from pagedkv.demo.kvgen import check_read
-from support import GEOM, Model, get_seed, load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools import make_sample
+
+from tests.kits.content import get_seed
+from tests.kits.files import spill_dbs, spill_env
+from tests.kits.model import Model
+from tests.kits.store import GEOM, ROOT
+
+
 PS = GEOM.page_size
 META_DBS = ("meta", "seqs", "dir", "tokens")
 
@@ -129,6 +134,7 @@ def assert_refused_and_reported(path: Path, model: Model) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_every_metadata_record_is_checked(built, tmp_path: Path) -> None:
     """A bit flip in each record's value, and in its key, is damage a writer refuses and verify lists."""
     path, model = built
@@ -238,8 +244,9 @@ def test_damaged_table_keeps_every_page_it_may_reference(built, tmp_path: Path) 
 # -- format 1: the golden store opens, reads, and is sealed by its first writer ------------------
 
 
+@pytest.mark.slow
 def test_format_1_store_reads_unchecked_and_a_writer_seals_it(tmp_path: Path) -> None:
-    make_sample = load_tool("make_sample")
+
     work = tmp_path / "sample.kv"
     shutil.copytree(ROOT / "data" / "sample.kv", work)
     with pagedkv.open(work, readonly=True) as store:
@@ -267,7 +274,7 @@ def test_format_1_store_reads_unchecked_and_a_writer_seals_it(tmp_path: Path) ->
 
 
 def test_format_2_golden_store_reads_in_place() -> None:
-    make_sample = load_tool("make_sample")
+
     sample = ROOT / "data" / "sample-v2.kv"
     before = digest(sample)
     with pagedkv.open(sample, readonly=True) as store:

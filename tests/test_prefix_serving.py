@@ -11,10 +11,7 @@ be exactly the predicted ones.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +20,22 @@ import pytest
 
 import pagedkv
 from pagedkv import Geometry
-from support import engine_write, get_seed
+
+from tests.kits import content
+
+from tests.kits.child import Channel, Child
+from tests.kits.content import get_seed
+from tests.kits.store import engine_write
+
 
 GEOM = Geometry(layers=2, kv_heads=2, head_dim=4, page_size=8, dtype="float32")
 PS = GEOM.page_size
 POOL = 40
-_M1, _M2, _M3 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
-_ELEMENTS = 2 * GEOM.layers * GEOM.kv_heads * GEOM.head_dim
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
 
 
 def prefix_kv(ids: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     """K, V of positions ``[start, stop)`` of ``ids``: each a function of ``ids[:position + 1]``."""
-    state, prefix = np.uint64(1), np.empty(stop, np.uint64)
-    with np.errstate(over="ignore"):
-        for pos, token in enumerate(np.asarray(ids[:stop], np.uint64)):
-            state = _mix(np.array([state ^ (token * _M3 + _M1)]))[0]
-            prefix[pos] = state
-        elements = _mix(np.arange(1, _ELEMENTS + 1, dtype=np.uint64) * _M3)
-        bits = _mix(prefix[start:stop, None] ^ elements[None, :])
-    values = ((bits >> np.uint64(54)).astype(np.float32) / 512.0 - 1.0).astype(GEOM.np_dtype)
-    arr = values.reshape(stop - start, GEOM.layers, 2, GEOM.kv_heads, GEOM.head_dim)
-    return (np.ascontiguousarray(arr[:, :, 0].transpose(1, 0, 2, 3)),
-            np.ascontiguousarray(arr[:, :, 1].transpose(1, 0, 2, 3)))
+    return content.prefix_kv(ids, start, stop, GEOM)
 
 
 class PrefixModel:
@@ -249,19 +233,13 @@ def test_serving_loop_matches_the_prefix_model(tmp_path: Path) -> None:
     runner.store.close()
 
 
-def _child(path: Path, plan: list[tuple[Any, ...]], ack_fd: int) -> None:
-    code = 3
-    try:
-        runner = Runner(path)
-        runner.play(plan, on_commit=lambda: os.write(ack_fd, b"c"))
-        os.write(ack_fd, b"d")
-        code = 0
-    except BaseException:
-        os.write(ack_fd, b"e" + traceback.format_exc()[-2000:].encode())
-    finally:
-        os._exit(code)
+def _child(chan: Channel, path: Path, plan: list[tuple[Any, ...]]) -> None:
+    runner = Runner(path)
+    runner.play(plan, on_commit=lambda: chan.send("committed"))
+    chan.send("done")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cycle", range(3))
 def test_serving_loop_survives_sigkill(tmp_path: Path, cycle: int) -> None:
     """Killed at a random point: every prompt's lookup lies between the last acked commit and the next."""
@@ -285,25 +263,16 @@ def test_serving_loop_survives_sigkill(tmp_path: Path, cycle: int) -> None:
     history.append(planner.model.copy())
     target = random.Random(seed).randrange(1, max(2, len(history) - 1))
     path = tmp_path / "s"
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        _child(path, plan, write_fd)
-    os.close(write_fd)
-    acks = b""
-    try:
-        while acks.count(b"c") < target and not acks.endswith(b"d") and b"e" not in acks:
-            chunk = os.read(read_fd, 4096)
-            if not chunk:
+    acked = 0
+    with Child(_child, path, plan) as child:
+        while acked < target:
+            message = child.recv(timeout=120)
+            assert not isinstance(message, tuple), f"the child raised {message[1]}\n{message[2]}"
+            if message == "done":
                 break
-            acks += chunk
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read_fd)
-    assert b"e" not in acks, acks[acks.index(b"e"):].decode(errors="replace")
-    acked = acks.count(b"c")
+            acked += 1
+        child.kill(reap=False)
+        acked += child.collect().count("committed")  # acks sent before it died, not yet read
     low, high = history[acked], history[min(acked + 1, len(history) - 1)]
     with pagedkv.open(path, durability="nosync") as store:
         assert store.check() == []

@@ -1,4 +1,4 @@
-"""The mutation campaign (tools/mutate.py): damaged copies of stores of known content, checked in
+"""The mutation campaign (``python -m tools.mutate``): damaged copies of stores of known content, checked in
 forked children read-only and as a writer, never give wrong bytes, an untyped error, a crash or
 a hang.
 
@@ -17,14 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from faultkit import copy_store, fast_tmp, scales  # noqa: F401
-from support import get_seed, load_tool
+from tools import mutate
 
-mutate = load_tool("mutate")
+from tests.kits.content import get_seed
+from tests.kits.faults import scales
+from tests.kits.files import copy_store
+
 
 SIZES = {"ci": 90, "soak": 2000}  # copies per codec; the kinds are taken in turn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 def test_damaged_copies_meet_the_bar(fast_tmp: Path, tmp_path: Path, scale: str) -> None:
     """Every kind of damage, every codec: no copy gives WRONG, UNTYPED, CRASH or HANG."""
@@ -54,6 +57,7 @@ def raw_base(tmp_path_factory: pytest.TempPathFactory):
     shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_an_undamaged_copy_is_ok_both_ways(raw_base) -> None:
     """The oracle passes the store it was built from, read-only and as a writer."""
     base, work = raw_base
@@ -83,6 +87,7 @@ def test_the_oracle_sees_wrong_bytes_and_losses(raw_base) -> None:
     assert result["outcome"] == "LOST", result["notes"]
 
 
+@pytest.mark.slow
 def test_signals_and_hangs_are_classified(tmp_path: Path) -> None:
     """A child killed by a signal is CRASH; one that never answers is HANG once its time is up."""
     runner = mutate.Runner(2, timeout=1.0)

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import pagedkv
 from pagedkv.cli import commands as cli_mod, text as clitext
@@ -26,7 +25,11 @@ from pagedkv.inspection import report as inspector
 from pagedkv.cli.commands import cli
 from pagedkv.demo.kvgen import token_kv
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.kits.cli import error_of, run, run_json
+from tests.kits.store import ROOT
+
+
+
 TINY = pagedkv.PRESETS["tiny"]
 
 
@@ -71,38 +74,7 @@ def test_check_detailed_gives_kinds_pages_and_the_same_messages(tmp_path: Path) 
     assert str(hit[0]) == hit[0].message
 
 
-# -- running the command line -----------------------------------------------------------------
-
-
-def _printable(text: str) -> bool:
-    return all(char.isprintable() or char in "\t\n" for char in text)
-
-
-def _runner() -> CliRunner:
-    try:  # click < 8.2 mixes stderr into stdout unless told not to
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
-def run(*args: Any, code: int | None = 0) -> Any:
-    """Invoke the CLI; assert the exit code (unless None) and that all output is escaped text."""
-    result = _runner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert code is None or result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    assert _printable(result.stdout) and _printable(result.stderr), (result.stdout, result.stderr)
-    return result
-
-
-def run_json(*args: Any, code: int = 0) -> Any:
-    return json.loads(run(*args, "--json", code=code).stdout)
-
-
-def error_of(*args: Any, code: int) -> dict[str, Any]:
-    """The JSON error object of a failing command (``--json`` put last), checked for shape."""
-    out = run_json(*args, code=code)
-    assert set(out) == {"schema", "error"} and out["schema"] == 1, out
-    assert set(out["error"]) == {"kind", "message", "exit_code"} and out["error"]["exit_code"] == code
-    return out["error"]
+# -- a store to run commands on ----------------------------------------------------------------
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import gc
 import os
 import random
 import shutil
-import signal
 import struct
 import time
 from pathlib import Path
@@ -28,14 +27,22 @@ import pytest
 import zstandard
 
 import pagedkv
-from faultkit import (DATA_MDB, HEADER_NBYTES, LOCK, LOCK_MDB, POOL, SPILL, Tally, copy_store, describe,
-                      fast_tmp, flip_bit, in_child, in_children, poke, read_header, reset_peak_rss, resize, scales, soak,  # noqa: F401
-                      spill_dbs, spill_env, store_bytes, write_header, proc_status_kib)
 from pagedkv.storage.codec import FORMAT_VERSION, payload_checksum
 from pagedkv.storage.metarecord import SUPERBLOCK_SEED, TAG_META, TRAILER, seal
 from pagedkv import (FormatVersionError, Geometry, GeometryMismatch, PageCorrupt, PagedKVError,
                      StoreCorrupt)
-from support import GEOM, Model, build_committed, get_seed
+
+from tests.kits.child import describe, in_child, in_children
+from tests.kits.content import get_seed
+from tests.kits.faults import Tally, proc_status_kib, reset_peak_rss, scales, soak
+from tests.kits.files import (DATA_MDB, HEADER_NBYTES, LOCK, LOCK_MDB, POOL, SPILL, copy_store, flip_bit,
+                              poke, read_header, resize, spill_dbs, spill_env, store_bytes, write_header)
+from tests.kits.lmdbfile import META_END, PSIZE, mdb_pages
+from tests.kits.model import Model, build_committed
+from tests.kits.store import GEOM
+
+
+
 
 TYPED_OPEN = (StoreCorrupt, GeometryMismatch, FormatVersionError)
 
@@ -43,20 +50,7 @@ TYPED_OPEN = (StoreCorrupt, GeometryMismatch, FormatVersionError)
 def build(path: Path, seqs: dict[str, int], seed: int, pool_pages: int, chunks: int = 1,
           geom: Geometry = GEOM) -> Model:
     """A closed store holding ``seqs`` (id -> tokens), appended in ``chunks`` commits each."""
-    model = Model(seed, geom)
-    store = pagedkv.open(path, geom, pool_pages)
-    for seq in seqs:
-        store.create(seq)
-        model.create(seq)
-    for part in range(chunks):
-        for seq, tokens in seqs.items():
-            n = tokens // chunks + (tokens % chunks if part == chunks - 1 else 0)
-            if n:
-                k, v = model.next_kv(seq, n)
-                store.append(seq, k, v)
-        store.commit()
-    store.close()
-    return model
+    return build_committed(path, seqs, seed, pool_pages, geom, chunks=chunks)
 
 
 def page_reads(model: Model) -> list[tuple[str, int, int, int]]:
@@ -168,6 +162,7 @@ def header_trials(path: str, bits: bool = False) -> dict[str, Any]:
     return dict(counts=tally.counts, text=str(tally), worst=worst, changed=changed)
 
 
+@pytest.mark.slow
 def test_pool_header_every_byte(t7_store) -> None:
     path, model, _ = t7_store
     before = store_bytes(path)
@@ -243,6 +238,7 @@ def check_slot_flips(tally: Tally, worst: float, flips: int) -> None:
     assert worst < 1.0
 
 
+@pytest.mark.slow
 def test_pool_slot_bit_flips(t7_store) -> None:
     path, model, layout = t7_store
     seed = get_seed("T7 slots")
@@ -372,6 +368,7 @@ def mutate_record(rng: random.Random, record: bytes, geom: Geometry, fill: int) 
     return bytes(damaged), f"bit {bit} of payload byte {offset - start} (token {token})", token < fill
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 @pytest.mark.parametrize("codec", ["raw", "zstd", "int8"])
 def test_spilled_record_bit_flips(fast_tmp: Path, codec: str, scale: str) -> None:
@@ -648,25 +645,6 @@ def test_hostile_record_corpus(t8_store, fast_tmp: Path) -> None:
 
 # -- T9: data.mdb structure ---------------------------------------------------------------------
 
-PSIZE = 4096
-P_BRANCH, P_LEAF, P_OVERFLOW, P_META = 0x01, 0x02, 0x04, 0x08
-META_END = 16 + 136  # page header + MDB_meta
-
-
-def mdb_pages(data: bytes) -> dict[str, list[int]]:
-    """Page numbers of data.mdb by kind (pages whose header names their own number)."""
-    kinds: dict[str, list[int]] = {"meta": [0, 1], "branch": [], "leaf": [], "overflow": []}
-    for pgno in range(2, len(data) // PSIZE):
-        base = pgno * PSIZE
-        number, flags = struct.unpack_from("<Q", data, base)[0], struct.unpack_from("<H", data, base + 10)[0]
-        if number != pgno:
-            continue
-        for name, bit in (("branch", P_BRANCH), ("leaf", P_LEAF), ("overflow", P_OVERFLOW)):
-            if flags & bit:
-                kinds[name].append(pgno)
-    return kinds
-
-
 def open_read_all(path: str, model: Model, readonly: bool) -> str:
     """Open, read every sequence, check and close; classify what happened (runs in a child)."""
     try:
@@ -721,6 +699,7 @@ def t9_store(fast_tmp: Path):
     return path, model, seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 def test_lmdb_structure_edits(t9_store, fast_tmp: Path, scale: str) -> None:
     path, model, seed = t9_store
@@ -761,15 +740,7 @@ def test_lmdb_structure_edits(t9_store, fast_tmp: Path, scale: str) -> None:
     tally = Tally()
     for item, result in zip(plan, in_children(edit_and_read, plan, timeout=5)):
         what = item[-1]
-        if result.status == "ok":
-            tally.add(result.value, what)
-        elif result.status == "signal":
-            note = f" [{result.value}]" if result.value else ""
-            tally.add(f"SIGNAL {signal.Signals(result.signal).name}", what + note)
-        elif result.status == "timeout":
-            tally.add("HANG > 5 s", what)
-        else:
-            tally.add(f"child {result.status}", f"{what}: {str(result)[:300]}")
+        tally.add_result(result, what, 5)
     print(f"T9 (seed {seed}): {edits} edits of data.mdb (pages: "
           f"{ {k: len(v) for k, v in kinds.items()} }), lmdb {lmdb.version(True)}\n{tally}")
     bad = {k: v for k, v in tally.counts.items() if not (k.startswith("clean") or k.startswith("typed"))}
@@ -881,6 +852,7 @@ def attempt_open(path: str, model: Model, readonly: bool, **kwargs: Any) -> tupl
     return "clean", ""
 
 
+@pytest.mark.slow
 def test_damaged_files_fail_typed_and_untouched(t10_store, fast_tmp: Path) -> None:
     path, model, other = t10_store
     problems = []

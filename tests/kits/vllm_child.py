@@ -1,4 +1,4 @@
-"""One vLLM engine in a child process, run by tests/test_vllm.py: ``python vllm_child.py SPEC OUT``.
+"""One vLLM engine in a child process, run by tests/test_vllm.py: ``python -m tests.kits.vllm_child SPEC OUT``.
 
 SPEC (JSON): model, store (or null: no connector), extra (more connector keys),
 multiprocessing (bool), max_num_batched_tokens, batches (lists of requests:

@@ -1,6 +1,6 @@
 """Prefix reuse: create(tokens=)/lookup, chained page hashes, cache pages, model identity, spill cap.
 
-Geometry: 2 layers, 2 KV heads, head_dim 4, 8 tokens a page, float32 (prefixkit.GEOM).
+Geometry: 2 layers, 2 KV heads, head_dim 4, 8 tokens a page, float32 (``kits.prefix.GEOM``).
 K/V are a function of (token id, position) unless a test says otherwise, so a page
 served from the wrong prompt or the wrong position reads back as wrong bytes.
 """
@@ -19,19 +19,16 @@ import pytest
 import pagedkv
 import pagedkv.pages.prefix
 from pagedkv import Geometry, ModelMismatch, PagedKVError, StoreClosed, StoreFull
-from prefixkit import (GEOM, PS, Stores, assert_holds, extend, index_problems, prefill, prompt,
-                       run_child_and_kill, token_kv)
-from support import engine_write
+
+from tests.kits.child import run_until_killed
+from tests.kits.content import token_kv
+from tests.kits.prefix import GEOM, PS, assert_holds, extend, index_problems, prefill, prompt
+from tests.kits.store import engine_write
+
+
 
 PAGE_BYTES = GEOM.layers * 2 * PS * GEOM.kv_heads * GEOM.head_dim * GEOM.itemsize
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def pstores(tmp_path: Path):
-    factory = Stores(tmp_path)
-    yield factory
-    factory.close_all()
 
 
 def consistent(store: pagedkv.KVStore) -> None:
@@ -115,7 +112,7 @@ def test_cache_survives_sigkill_after_commit(pstores, seed) -> None:
         prefill(store, "z", late)
         extend(store, "b", late)
 
-    assert run_child_and_kill(child) == ["committed"]
+    assert run_until_killed(child) == ["committed"]
     store = pstores.open("crash", None, None)
     assert sorted(store.sequences()) == ["a", "b"]
     assert_holds(store, "a", ids)
@@ -280,7 +277,7 @@ def test_fork_then_divergent_appends_copy_once(pstores, seed, how: str) -> None:
         extend(store, "b", tb)
     else:
         with store.step({"a": 7, "b": 7}, tokens={"a": ta, "b": tb}) as step:
-            engine_write(store, step, [token_kv(ta, len(base)), token_kv(tb, len(base))])
+            engine_write(store, step, [token_kv(ta, len(base), GEOM), token_kv(tb, len(base), GEOM)])
     st = store.stats()
     assert st["cow_copies"] == 1 and st["pages"] == 5 and st["shared_pages"] == 1
     seq_a, seq_b = np.concatenate([base, ta]), np.concatenate([base, tb])
@@ -360,7 +357,7 @@ def test_partial_page_completed_by_step_after_reopen_is_registered(pstores) -> N
     prefill(store, "a", ids[:5])
     store = pstores.reopen(store)
     with store.step({"a": len(ids) - 5}, tokens={"a": ids[5:]}) as step:
-        engine_write(store, step, [token_kv(ids[5:], 5)])
+        engine_write(store, step, [token_kv(ids[5:], 5, GEOM)])
     assert_holds(store, "a", ids)
     assert store.lookup(ids) == 2 * PS  # the completed page was hashed
     consistent(store)
@@ -405,12 +402,12 @@ def test_step_tokens_register_filled_pages(pstores, seed) -> None:
     store.create("a", tokens=ids)
     store.create("n")
     with store.step({"a": 13, "n": 2 * PS}, tokens={"a": ids[:13]}) as step:  # "n" brings no ids
-        engine_write(store, step, [token_kv(ids[:13], 0), token_kv(plain[:2 * PS], 0)])
+        engine_write(store, step, [token_kv(ids[:13], 0, GEOM), token_kv(plain[:2 * PS], 0, GEOM)])
     assert store.lookup(ids) == PS  # sealed when the step ended
     assert store.lookup(plain) == 0
     for pos in range(13, len(ids)):  # decode one token a step
         with store.step({"a": 1}, tokens={"a": ids[pos:pos + 1]}) as step:
-            engine_write(store, step, [token_kv(ids[pos:pos + 1], pos)])
+            engine_write(store, step, [token_kv(ids[pos:pos + 1], pos, GEOM)])
         assert store.lookup(ids) == (pos + 1) // PS * PS
     assert_holds(store, "a", ids)
     assert store.create("b", tokens=ids) == 4 * PS
@@ -430,7 +427,7 @@ def test_failed_step_registers_nothing(pstores, seed, start: int) -> None:
     before = store.stats()
     with pytest.raises(RuntimeError):
         with store.step({"a": len(ids) - start}, tokens={"a": ids[start:]}) as step:
-            engine_write(store, step, [token_kv(ids[start:], start)])
+            engine_write(store, step, [token_kv(ids[start:], start, GEOM)])
             raise RuntimeError("the engine failed")
     after = store.stats()
     assert store.length("a") == start
@@ -440,7 +437,7 @@ def test_failed_step_registers_nothing(pstores, seed, start: int) -> None:
     store.drop("probe")
     # the same positions, now with other ids, succeed and only they are registered
     with store.step({"a": len(alt) - start}, tokens={"a": alt[start:]}) as step:
-        engine_write(store, step, [token_kv(alt[start:], start)])
+        engine_write(store, step, [token_kv(alt[start:], start, GEOM)])
     assert store.lookup(alt) == len(alt)
     assert store.lookup(ids) == start // PS * PS
     assert_holds(store, "a", alt)
@@ -769,7 +766,7 @@ def test_random_workload_matches_prefix_model(pstores, seed) -> None:
             fail = rng.random() < 0.25
             try:
                 with store.step({s: len(t) for s, t in new.items()}, tokens=new) as step:
-                    engine_write(store, step, [token_kv(t, len(seqs[s])) for s, t in new.items()])
+                    engine_write(store, step, [token_kv(t, len(seqs[s]), GEOM) for s, t in new.items()])
                     if fail:
                         raise RuntimeError("engine failure")
             except RuntimeError:
@@ -814,7 +811,7 @@ def test_lookup_creates_nothing_and_token_ids_are_validated(pstores) -> None:
     after = store.stats()
     assert store.sequences() == ["a"] and after["pages"] == before["pages"]
     assert after["prefix_query_tokens"] == before["prefix_query_tokens"]  # lookups are not queries
-    k, v = token_kv(ids[:2], 0)
+    k, v = token_kv(ids[:2], 0, GEOM)
     for bad in ([[1, 2]], [-1], [1 << 32], [1.5], "ab"):
         with pytest.raises(PagedKVError):
             store.lookup(bad)

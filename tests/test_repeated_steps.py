@@ -15,7 +15,11 @@ import random
 import pytest
 
 from pagedkv import PoolExhausted, SequenceBusy
-from support import GEOM, Model, check_step_outputs, engine_write
+
+from tests.kits.model import Model
+from tests.kits.store import GEOM, check_step_outputs, engine_write
+
+
 
 PS = GEOM.page_size
 

@@ -11,7 +11,7 @@ read equal to what was written or ``PageCorrupt``. Never a signal, a hang or an
 untyped exception.
 
 Seeds are printed; replay one with ``PAGEDKV_SEED=<n>``. Soak sizes (every pair
-of pages, thousands of flips): ``PAGEDKV_SOAK=1 pytest -m soak tests/test_lmdb_writepath.py``.
+of pages, thousands of flips): ``PAGEDKV_SOAK=1 pytest -m soak tests/test_damaged_lmdb.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import os
 import random
 import select
 import shutil
-import signal
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -32,21 +30,24 @@ import numpy as np
 import pytest
 
 import pagedkv
-from faultkit import (DATA_MDB, SPILL, Channel, Peer, Tally, copy_store, describe,  # noqa: F401
-                      fast_tmp, in_children, poke, scales, store_bytes)
 from pagedkv import Geometry, PageCorrupt, PagedKVError, StoreCorrupt
 from pagedkv.storage.lmdbcheck import probe_in_child, walk_pages
 from pagedkv.storage.spill import DB_NAMES
-from support import Model, get_seed
+
+from tests.kits.child import Channel, Child, describe, in_children
+from tests.kits.content import get_seed
+from tests.kits.faults import Tally, scales
+from tests.kits.files import DATA_MDB, SPILL, copy_store, poke, store_bytes
+from tests.kits.lmdbfile import PSIZE, FreeRecord, Layout, free_records
+from tests.kits.model import Model
+
+
+
 
 # A KV page is 2 x 2 x 2 x 16 x 16 x 2 bytes = 4 KiB, so every spilled record is an
 # overflow record of two LMDB pages; 8 pool slots make appends spill at once.
 GEOM_WP = Geometry(layers=2, kv_heads=2, head_dim=16, page_size=16, dtype="float16")
 POOL_PAGES = 8
-PSIZE = 4096
-P_BRANCH, P_LEAF = 0x01, 0x02
-F_BIGDATA = 0x01
-P_INVALID = (1 << 64) - 1
 GOOD = ("refused", "clean")  # outcome prefixes a case may end in
 
 
@@ -78,94 +79,6 @@ def build_store(path: Path, seed: int) -> Model:
             store.commit()
     store.close()
     return model
-
-
-def free_records(path: Path) -> int:
-    """How many records the free list of the newest snapshot holds (its record's entry count)."""
-    with open(path, "rb") as fh:
-        metas = fh.read(2 * PSIZE)
-    txn0, txn1 = (struct.unpack_from("<Q", metas, base + 144)[0] for base in (0, PSIZE))
-    meta = PSIZE if txn1 > txn0 else 0
-    return struct.unpack_from("<Q", metas, meta + 72)[0]
-
-
-@dataclass
-class FreeRecord:
-    """One free-list record: the txn that freed its pages, where it lies, the pages."""
-
-    key: int
-    node: int  # file offset of the record's node header
-    offset: int  # file offset of its ID list (count, then page numbers)
-    ids: list[int]
-
-
-@dataclass
-class Layout:
-    """The newest snapshot of a healthy data.mdb, read here without pagedkv's checker."""
-
-    data: bytes
-    txnid: int = 0
-    last_pgno: int = 0
-    roots: dict[str, int] = field(default_factory=dict)
-    tree_pages: dict[str, list[int]] = field(default_factory=dict)
-    overflow: list[tuple[int, int]] = field(default_factory=list)  # (first page, pages)
-    free: list[FreeRecord] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        u64 = lambda at: struct.unpack_from("<Q", self.data, at)[0]  # noqa: E731
-        meta = PSIZE if u64(PSIZE + 144) > u64(144) else 0
-        self.last_pgno, self.txnid = u64(meta + 136), u64(meta + 144)
-        self._tree("free", u64(meta + 80))
-        for name, root in self._tree("main", u64(meta + 128)):
-            self._tree(name, root)
-
-    def _tree(self, name: str, root: int) -> list[tuple[str, int]]:
-        """Record one tree's pages, overflow runs and free records; (name, root) of named databases."""
-        self.roots[name] = root
-        pages = self.tree_pages.setdefault(name, [])
-        found: list[tuple[str, int]] = []
-        stack = [root] if root != P_INVALID else []
-        while stack:
-            pgno = stack.pop()
-            pages.append(pgno)
-            base = pgno * PSIZE
-            flags, lower = struct.unpack_from("<HH", self.data, base + 10)
-            for index in range((lower - 16) // 2):
-                node = base + struct.unpack_from("<H", self.data, base + 16 + 2 * index)[0]
-                lo, hi, node_flags, ksize = struct.unpack_from("<HHHH", self.data, node)
-                body = node + 8 + ksize
-                if flags & P_BRANCH:
-                    stack.append(lo | hi << 16 | node_flags << 32)
-                elif name == "main":
-                    root_of = struct.unpack_from("<Q", self.data, body + 40)[0]
-                    found.append((self.data[node + 8:body].decode(), root_of))
-                else:
-                    offset = body
-                    if node_flags & F_BIGDATA:
-                        first = struct.unpack_from("<Q", self.data, body)[0]
-                        runs = struct.unpack_from("<I", self.data, first * PSIZE + 12)[0]
-                        self.overflow.append((first, runs))
-                        offset = first * PSIZE + 16
-                    if name == "free":
-                        count = struct.unpack_from("<Q", self.data, offset)[0]
-                        ids = list(struct.unpack_from(f"<{count}Q", self.data, offset + 8))
-                        key = struct.unpack_from("<Q", self.data, node + 8)[0]
-                        self.free.append(FreeRecord(key, node, offset, ids))
-        return found
-
-    def live_pages(self) -> set[int]:
-        """Every tree page of the snapshot."""
-        return {pgno for pages in self.tree_pages.values() for pgno in pages}
-
-    def stale_tree_pages(self) -> list[int]:
-        """Pages no tree reaches whose header still names them a branch or leaf (old versions)."""
-        live = self.live_pages()
-        out = []
-        for pgno in range(2, len(self.data) // PSIZE):
-            number, _pad, flags = struct.unpack_from("<QHH", self.data, pgno * PSIZE)
-            if number == pgno and flags in (P_BRANCH, P_LEAF) and pgno not in live:
-                out.append(pgno)
-        return out
 
 
 @pytest.fixture
@@ -285,15 +198,7 @@ def run_cases(base: Path, model: Model, work: Path, cases: list[tuple[str, Damag
     items = [(number, damage) for number, (_, damage) in enumerate(cases)]
     tally = Tally()
     for (name, _), result in zip(cases, in_children(one, items, timeout=timeout)):
-        if result.status == "ok":
-            tally.add(result.value, name)
-        elif result.status == "signal":
-            note = f" [{result.value}]" if result.value else ""
-            tally.add(f"SIGNAL {signal.Signals(result.signal).name}", name + note)
-        elif result.status == "timeout":
-            tally.add(f"HANG > {timeout:.0f} s", name)
-        else:
-            tally.add(f"child {result.status}", f"{name}: {str(result)[:300]}")
+        tally.add_result(result, name, timeout)
     return tally
 
 
@@ -391,6 +296,7 @@ def flip_cases(layout: Layout, rng: random.Random, count: int) -> list[tuple[str
 # -- the tests ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 def test_swapped_pages_never_kill_the_writer(wp_store, fast_tmp: Path, scale: str) -> None:
     """Two 4 KiB pages of data.mdb swapped: refused at open, or every later step works."""
@@ -436,6 +342,7 @@ def test_refusal_names_the_free_list(wp_store, fast_tmp: Path) -> None:
         pagedkv.open(copy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", scales())
 def test_tree_node_flips_never_kill_the_writer(wp_store, fast_tmp: Path, scale: str) -> None:
     """Bit flips in live tree pages of every database, the free list and main database included."""
@@ -513,12 +420,13 @@ def churn(chan: Channel, path: str) -> None:
     chan.send(commits)
 
 
+@pytest.mark.slow
 def test_walk_beside_a_busy_writer_sees_one_snapshot(wp_store) -> None:
     """Beside a live writer the walk holds a read transaction on the snapshot it checks, so
     pages the writer reuses meanwhile never look like damage."""
     path, _model, _layout, _seed = wp_store
     refused = []
-    with Peer(churn, str(path)) as writer:
+    with Child(churn, str(path)) as writer:
         assert writer.recv() == "running"
         for _ in range(40):
             try:

@@ -22,67 +22,22 @@ from typing import Any
 import lmdb
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import pagedkv
 from pagedkv.cli.commands import cli
 from pagedkv.demo.kvgen import check_read, token_kv
 from pagedkv.storage.spill import uid_key
-import support
+from tools import make_sample
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.kits.cli import assert_one_line_error, run, run_json
+from tests.kits.store import ROOT, tree_state
+
+
+
 SAMPLE = ROOT / "data" / "sample.kv"
-class _Safe:
-    """Printed text holds printable characters (any script), tab and newline only."""
-
-    @staticmethod
-    def fullmatch(text: str) -> bool:
-        return all(char.isprintable() or char in "\t\n" for char in text)
-
-
-SAFE = _Safe()
 TINY = pagedkv.PRESETS["tiny"]
 HOSTILE = ["esc\x1b[31mred", "cr\rreturn", "nul\x00byte", "rtl\u202eevil", "tab\there",
            "nl\nline", "emoji\U0001f600", "back\\slash"]
-
-make_sample = support.load_tool("make_sample")
-
-
-def _runner() -> CliRunner:
-    try:  # click < 8.2 mixes stderr into stdout unless told not to
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
-def run(*args: Any, code: int | None = 0) -> Any:
-    """Invoke the CLI; assert the exit code (unless None) and that all output is escaped text."""
-    result = _runner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert code is None or result.exit_code == code, (result.stdout, result.stderr)
-    assert SAFE.fullmatch(result.stdout), result.stdout
-    assert SAFE.fullmatch(result.stderr), result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    return result
-
-
-def run_json(command: str, *args: Any, code: int = 0) -> Any:
-    return json.loads(run(command, "--json", *args, code=code).stdout)
-
-
-def assert_one_line_error(result: Any) -> None:
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-
-
-def file_states(root: Path) -> dict[str, tuple[bytes | None, int, int]]:
-    """(bytes, mtime_ns, mode) of every file and directory under ``root``, root included."""
-    out = {}
-    for path in [root, *sorted(root.rglob("*"))]:
-        st = path.lstat()
-        data = path.read_bytes() if path.is_file() else None
-        out[str(path.relative_to(root))] = (data, st.st_mtime_ns, st.st_mode)
-    return out
 
 
 def kv(origin: int, start: int, stop: int, geom: pagedkv.Geometry = TINY) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +162,7 @@ def test_demo_seed_workload_hits(tmp_path: Path) -> None:
     assert out["reread"]["memory_hits"] == 20 and out["reread"]["disk_hits"] == 0
 
 
+@pytest.mark.slow
 def test_demo_replaces_an_earlier_store(tmp_path: Path) -> None:
     path = tmp_path / "demo.kv"
     first = run_json("inspect", _demo(path))
@@ -221,9 +177,9 @@ def _demo(path: Path) -> Path:
 
 
 def test_demo_refuses_a_pool_too_small_before_touching_path(store_path: Path) -> None:
-    before = file_states(store_path)
+    before = tree_state(store_path)
     assert_one_line_error(run("demo", store_path, "--pool-pages", "4", code=2))
-    assert file_states(store_path) == before
+    assert tree_state(store_path) == before
 
 
 def test_demo_refuses_other_directories_and_files(tmp_path: Path) -> None:
@@ -514,7 +470,7 @@ def test_verify_orphan_record_is_a_note_not_damage(store_path: Path) -> None:
 
 
 def test_sample_store_inspects_and_verifies_in_place() -> None:
-    before = file_states(SAMPLE)
+    before = tree_state(SAMPLE)
     assert run_json("verify", SAMPLE)["ok"] is True
     summary = run_json("inspect", SAMPLE)
     assert summary["format_version"] == 1 and summary["pages"]["spilled"] > 0
@@ -528,7 +484,7 @@ def test_sample_store_inspects_and_verifies_in_place() -> None:
     assert prefix["hit_rate"] == prefix["hit_tokens"] / prefix["query_tokens"]
     assert summary["lifetime"]["evictions"] > 0 and summary["lifetime"]["cache_drops"] == 0
     assert "not recorded" not in run("inspect", SAMPLE).stdout
-    assert file_states(SAMPLE) == before
+    assert tree_state(SAMPLE) == before
 
 
 def test_sample_store_content_is_bit_exact(sample: Path) -> None:
@@ -542,6 +498,7 @@ def test_sample_store_content_is_bit_exact(sample: Path) -> None:
         assert store.lookup(gone.token_ids(make_sample.SEED, 0, gone.length)) == gone.length
 
 
+@pytest.mark.slow
 def test_sample_cached_pages_have_no_sequence() -> None:
     pages = []
     for uid in range(1, 40):
@@ -601,12 +558,12 @@ INSPECT_FORMS = [[], ["--sequences"], ["--seq", "chat-1"], ["--seq", "7"], ["--m
 
 
 def test_inspect_and_verify_write_nothing(sample: Path) -> None:
-    before = file_states(sample)
+    before = tree_state(sample)
     for form in INSPECT_FORMS:
         run("inspect", sample, *form)
     run("verify", sample)
     run("verify", sample, "--json")
-    assert file_states(sample) == before
+    assert tree_state(sample) == before
 
 
 def test_inspect_works_on_a_read_only_copy(sample: Path) -> None:
@@ -614,11 +571,11 @@ def test_inspect_works_on_a_read_only_copy(sample: Path) -> None:
     for path in paths:  # tests run as root, so modes prove nothing alone; the states must not change
         path.chmod(0o500 if path.is_dir() else 0o400)
     try:
-        before = file_states(sample)
+        before = tree_state(sample)
         for form in INSPECT_FORMS:
             run("inspect", sample, *form)
         assert run_json("verify", sample)["ok"] is True
-        assert file_states(sample) == before
+        assert tree_state(sample) == before
     finally:
         for path in paths:
             path.chmod(stat.S_IRWXU if path.is_dir() else stat.S_IRUSR | stat.S_IWUSR)

@@ -15,7 +15,11 @@ import numpy as np
 import pytest
 
 import pagedkv
-from support import GEOM, Model, check_step_outputs, engine_write
+
+from tests.kits.model import Model
+from tests.kits.store import GEOM, check_step_outputs, engine_write
+
+
 
 PS = GEOM.page_size
 SEQS = 200
@@ -24,6 +28,7 @@ ROUNDS = 5  # close/reopen cycles (one of them a crash)
 OPS_PER_ROUND = 500
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_workload_many_sequences_under_pressure(stores, seed: int) -> None:
     rng = np.random.default_rng(seed)

@@ -1,49 +1,243 @@
-"""Error kinds at the edges: real exhaustion, tiny LMDB maps, verify beside a busy writer.
+"""Real exhaustion (RELIABILITY.md T6): a file size limit, a full disk, small and full LMDB maps.
 
-* ``RLIMIT_FSIZE`` (in a forked child, SIGXFSZ ignored) and a full disk (a small tmpfs,
-  where this machine lets us mount one) at many seeded limits: whatever eviction or commit
-  raises is ``StoreFull`` naming ENOSPC / EFBIG, the handle is poisoned, and a reopen finds
-  the last returned commit (or the one being made), every page intact and usable.
-* Stores created with LMDB maps from 4 KiB to 1 MiB grow on their own while pages many
-  times the map's size spill, and one value thousands of times the map goes in one
-  transaction, creating the named databases included.
-* ``pagedkv verify --live`` run over and over beside a writer busy committing, evicting and
-  restoring reports no damage that is not there, and still reports damage that is.
+* ``RLIMIT_FSIZE`` in a forked child (SIGXFSZ ignored) during creation, growth and
+  eviction, and a full disk (a small tmpfs, where this machine lets us mount one), at many
+  seeded limits: whatever creation, eviction or commit raises is ``StoreFull`` naming
+  ENOSPC / EFBIG, the handle is poisoned, and a reopen finds the last returned commit (or
+  the one being made), every page intact and usable.
+* LMDB map growth: a 1 MiB map under 10 MiB of spill grows on its own (or fails typed),
+  a refused growth fails atomically, stores created with maps from 4 KiB to 1 MiB grow
+  while pages many times the map's size spill, and one value thousands of times the map
+  goes in one transaction, creating the named databases included.
 
 Seeds are printed; ``PAGEDKV_SEED=<n>`` replays a run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
+import errno
 import os
 import random
 import re
 import resource
-import select
 import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
-from click.testing import CliRunner
 
 import pagedkv
-from faultkit import Channel, Peer, describe, fast_tmp, in_child, spill_env  # noqa: F401
 from pagedkv import Geometry, PagedKVError, StoreClosed
-from pagedkv.cli.commands import cli
 from pagedkv.storage.files import disk_usage
 from pagedkv.storage.spill import SpillStore, uid_key
-from support import Model, get_seed
 
-PROBE = "__poison_probe__"
+from tests.kits.child import describe, in_child
+from tests.kits.content import get_seed
+from tests.kits.faults import ABSENT, TYPED_IO, disk_state, model_state, poisoned, scales
+from tests.kits.model import Model
+from tests.kits.store import GEOM
+
+
+
+# -- a file size limit during creation, growth and eviction; a full map --------------------------
+
+FSIZE_POOL = 160  # 4 KiB header + 160 x 512 B = 84 KiB: limits from 64 KiB fail creation
+FSIZE_SEQS = 6
+FSIZE_CHUNK = 37  # tokens per append
+FSIZE_ROUNDS = 8
+
+
+def fsize_workload(path: str, limit: int | None, seed: int) -> dict[str, Any]:
+    """Create a store and grow it under a file-size limit; report what was acked and the error."""
+    if limit is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    model = Model(seed)
+    acked: Model | None = None
+    pending: Model | None = None
+    phase = "create"
+    store = None
+    try:
+        pending = copy.deepcopy(model)
+        store = pagedkv.open(path, GEOM, FSIZE_POOL)
+        acked, pending = pending, None
+        phase = "grow"
+        for rnd in range(FSIZE_ROUNDS):
+            for s in range(FSIZE_SEQS):
+                seq = f"s{s}"
+                if rnd == 0:
+                    model.create(seq)
+                    store.create(seq)
+                k, v = model.next_kv(seq, FSIZE_CHUNK)
+                store.append(seq, k, v)
+                if phase == "grow" and store.stats()["evictions"]:
+                    phase = "evict"  # the pool is full: pages now spill to LMDB
+            if rnd % 3 == 2:  # read back an early sequence: restores evict others
+                model.verify(store, "s0")
+            pending = copy.deepcopy(model)
+            store.commit()
+            acked, pending = pending, None
+        pending = copy.deepcopy(model)
+        store.close()
+        acked, pending = pending, None
+        return dict(error=None, phase="done", acked=acked, pending=None)
+    except PagedKVError as exc:
+        return dict(error=describe(exc), type=type(exc).__name__, phase=phase, acked=acked,
+                    pending=pending, poisoned=None if store is None else poisoned(store))
+
+
+def _sizes(path: Path) -> int:
+    return max(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(path) for name in names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", scales())
+def test_fsize_limit_create_grow_evict(tmp_path: Path, scale: str) -> None:
+    seed = get_seed("T6 fsize")
+    rng = random.Random(seed)
+    ref = in_child(fsize_workload, str(tmp_path / "ref" / "store"), None, seed, timeout=60)
+    assert ref.status == "ok" and ref.value["error"] is None, str(ref)
+    biggest = _sizes(tmp_path / "ref" / "store")
+    count = {"ci": 20, "soak": 500}[scale]
+    pool_size = 4096 + FSIZE_POOL * GEOM.page_nbytes
+    # A quarter of the limits fall below pool.bin's size (creation fails), the rest during growth.
+    limits = sorted({64 << 10, *(rng.randrange(64 << 10, pool_size) for _ in range(count // 4 - 1)),
+                     *(rng.randrange(pool_size, biggest + 4096) for _ in range(count - count // 4))})
+    problems: list[str] = []
+    phases: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    for limit in limits:
+        root = tmp_path / f"lim{limit}"
+        path = root / "store"
+        result = in_child(fsize_workload, str(path), limit, seed, timeout=60)
+        where = f"limit {limit}"
+        if result.status != "ok":
+            problems.append(f"{where}: child {result}")
+            continue
+        out = result.value
+        phases[out["phase"]] = phases.get(out["phase"], 0) + 1
+        if out["error"] is not None:
+            # LMDB reports a short write at the limit as EIO; pagedkv names the real cause.
+            if out["type"] != "StoreFull" or not any(code in out["error"] for code in ("EFBIG", "ENOSPC")):
+                problems.append(f"{where}: {out['phase']} raised {out['error']}, not StoreFull naming EFBIG")
+            kinds[out["type"]] = kinds.get(out["type"], 0) + 1
+            if out["poisoned"] is False:
+                problems.append(f"{where}: handle not poisoned after {out['type']}")
+        leftovers = [n for n in os.listdir(root) if n != "store"]
+        if leftovers:
+            problems.append(f"{where}: half-created files left beside the store: {leftovers}")
+        # Without the limit: the last acked commit (or the one being made), every page intact.
+        allowed = [model_state(out["acked"])]
+        if out["pending"] is not None:
+            allowed.append(model_state(out["pending"]))
+        try:
+            state = disk_state(path)
+        except BaseException as exc:  # noqa: BLE001
+            problems.append(f"{where}: reopen without the limit failed: {describe(exc)}")
+            continue
+        if state not in allowed:
+            lost = "absent" if state == ABSENT else "differs from the acked commit"
+            problems.append(f"{where}: after {out['error']} the store {lost} (lost committed pages)")
+            continue
+        if state != ABSENT:
+            store = pagedkv.open(path)
+            try:
+                if store.check():
+                    problems.append(f"{where}: check() {store.check()[:3]}")
+                store.create("after")  # the disk is fine again: the store works
+                store.commit()
+            except BaseException as exc:  # noqa: BLE001
+                problems.append(f"{where}: writing after the limit was lifted: {describe(exc)}")
+            finally:
+                store.close()
+    print(f"T6 fsize: {len(limits)} limits in 64 KiB..{biggest + 4096}, outcomes by phase {phases}, errors {kinds}")
+    assert not problems, "\n".join(problems[:20])
+    assert phases.get("create", 0) >= 1, "no limit hit the creation phase"
+    assert len(phases) >= 2, f"the limits hit only {phases}"
+
+
+BIG = Geometry(layers=2, kv_heads=4, head_dim=64, page_size=16, dtype="float32")  # 64 KiB pages
+
+
+def test_map_full_grows_or_fails_typed(tmp_path: Path) -> None:
+    """A 1 MiB map under 10 MiB of spill grows on its own (or fails typed), never a partial commit."""
+    seed = get_seed("T6 mapfull")
+    path = tmp_path / "store"
+    store = pagedkv.open(path, BIG, 16, map_size=1 << 20)
+    model = Model(seed, BIG)
+    committed = copy.deepcopy(model)
+    error = None
+    try:
+        for i in range(14):
+            seq = f"s{i}"
+            store.create(seq)
+            model.create(seq)
+            for _ in range(4):
+                k, v = model.next_kv(seq, 56)
+                store.append(seq, k, v)
+            store.commit()
+            committed = copy.deepcopy(model)
+        spilled = store.stats()["bytes_spilled"]
+        map_size = store._spill.env.info()["map_size"]
+        store.close()
+    except PagedKVError as exc:
+        error = exc
+        assert isinstance(exc, TYPED_IO), describe(exc)
+        store._abandon()
+    print(f"T6 map full: error={error!r}")
+    if error is None:
+        assert spilled >= 10 << 20, spilled
+        assert map_size > 1 << 20, map_size
+        print(f"T6 map full: spilled {spilled >> 20} MiB, map grew 1 MiB -> {map_size >> 20} MiB")
+    committed.verify_reopened(path)
+
+
+def test_map_growth_refused_is_typed_and_atomic(tmp_path: Path) -> None:
+    """When the map may not grow (set_mapsize fails forever) the eviction fails typed, atomically."""
+    path = tmp_path / "store"
+    model = Model(3, BIG)
+    store = pagedkv.open(path, BIG, 8, map_size=1 << 20)
+    store.create("a")
+    model.create("a")
+    k, v = model.next_kv("a", 16 * 6)
+    store.append("a", k, v)
+    store.commit()
+    committed = copy.deepcopy(model)
+    seen: list[str] = []
+
+    def fail_growth(op: str) -> None:
+        seen.append(op)
+        if op == "set_mapsize":
+            raise OSError(errno.ENOSPC, "injected: the map may not grow")
+
+    pagedkv.faults.set_injector(fail_growth)
+    try:
+        with pytest.raises(PagedKVError) as info:
+            for _ in range(40):
+                k, v = model.next_kv("a", 16)
+                store.append("a", k, v)
+    finally:
+        pagedkv.faults.set_injector(None)
+    assert "set_mapsize" in seen, seen
+    assert isinstance(info.value, TYPED_IO), describe(info.value)
+    with pytest.raises(StoreClosed):
+        store.commit()
+    store.close()
+    reopened = pagedkv.open(path, readonly=True)
+    try:
+        committed.verify_all(reopened)
+    finally:
+        reopened.close()
+
+
+# -- a file size limit and a full disk at many limits -------------------------------------------
+
 NAMES_CAUSE = re.compile(r"ENOSPC|EFBIG|EDQUOT|disk full|file size limit", re.IGNORECASE)
-
-# -- real exhaustion ---------------------------------------------------------------------------
 
 XGEOM = Geometry(layers=2, kv_heads=2, head_dim=16, page_size=8, dtype="float32")  # 4 KiB pages
 X_POOL = 12  # pool.bin: 4 KiB header + 48 KiB of slots
@@ -92,44 +286,9 @@ def exhaust(path: str, fsize_limit: int | None, seed: int) -> dict[str, Any]:
         acked, pending = pending, None
         return dict(error=None, op="done", acked=acked, pending=None)
     except PagedKVError as exc:
-        poisoned = None
-        if store is not None:
-            poisoned = True
-            try:
-                store.create(PROBE)
-                poisoned = False
-            except StoreClosed:
-                pass
-            store._abandon()
         return dict(error=describe(exc), type=type(exc).__name__, message=str(exc), op=op,
-                    acked=acked, pending=pending, poisoned=poisoned)
-
-
-def model_state(model: Model | None) -> Any:
-    """What a store holding ``model`` reads back: {seq: (length, K bytes, V bytes)}, None if absent."""
-    if model is None:
-        return None
-    out = {}
-    for seq in model.segs:
-        k, v = model.expected(seq)
-        out[seq] = (model.lens[seq], k.tobytes(), v.tobytes())
-    return out
-
-
-def disk_state(path: Path) -> Any:
-    """What a read-only open of ``path`` reads back (None when there is no store)."""
-    if not path.exists():
-        return None
-    store = pagedkv.open(path, readonly=True)
-    try:
-        assert store.check() == [], store.check()
-        out = {}
-        for seq in store.sequences():
-            k, v = store.read(seq)
-            out[seq] = (store.length(seq), k.tobytes(), v.tobytes())
-        return out
-    finally:
-        store.close()
+                    acked=acked, pending=pending,
+                    poisoned=None if store is None else poisoned(store))
 
 
 class Outcomes:
@@ -161,7 +320,7 @@ class Outcomes:
         if out["pending"] is not None:
             allowed.append(model_state(out["pending"]))
         try:
-            state = disk_state(path)
+            state = disk_state(path, check=True)
         except BaseException as exc:  # noqa: BLE001 - reported
             self.problems.append(f"{where}: read-only reopen after {kind}: {describe(exc)}")
             return
@@ -169,7 +328,7 @@ class Outcomes:
             self.problems.append(f"{where}: after {out['error']} the store is neither the last "
                                  "returned commit nor the one being made")
             return
-        if state is None:
+        if state == ABSENT:
             return
         if space_back is not None:
             space_back()
@@ -189,6 +348,7 @@ class Outcomes:
         assert churned >= cases // 2, f"only {churned} of {cases} cases ran out during the churn: {self.ops}"
 
 
+@pytest.mark.slow
 def test_file_size_limit_is_store_full(tmp_path: Path) -> None:
     """RLIMIT_FSIZE at seeded limits from below pool.bin's size to the whole store's."""
     seed = get_seed("RLIMIT_FSIZE")
@@ -262,6 +422,7 @@ def _disk_full_runs(tmp_path: Path, seed: int, sizes: list[int], outcomes: Outco
             _umount(mount)
 
 
+@pytest.mark.slow
 def test_disk_full_is_store_full(tmp_path: Path, tmpfs_allowed: None) -> None:
     """A tmpfs of seeded sizes, from just past a new store's size to the whole store's, fills up."""
     seed = get_seed("disk full")
@@ -290,7 +451,7 @@ def test_disk_full_while_creating(tmp_path: Path, tmpfs_allowed: None) -> None:
     assert not outcomes.problems, "\n".join(outcomes.problems)
 
 
-# -- small maps grow -----------------------------------------------------------------------------
+# -- small maps grow ---------------------------------------------------------------------------
 
 MAP_SIZES = [4 << 10, 8 << 10, 16 << 10, 24 << 10, 32 << 10, 40 << 10, 64 << 10, 256 << 10, 1 << 20]
 WIDE = Geometry(layers=2, kv_heads=4, head_dim=64, page_size=16, dtype="float32")  # 64 KiB pages
@@ -341,161 +502,3 @@ def test_one_value_thousands_of_times_the_map(fast_tmp: Path) -> None:
     finally:
         spill.close()
     assert grown >= len(value) > 4096 * start, (start, grown)
-
-
-# -- verify --live beside a busy writer ------------------------------------------------------------
-
-VGEOM = Geometry(layers=2, kv_heads=2, head_dim=64, page_size=8, dtype="float32")  # 16 KiB pages
-V_POOL = 8
-HOT = [f"hot{i}" for i in range(6)]
-HOT_MAX = 64  # tokens: a longer hot sequence is dropped and created again (records freed)
-
-
-def _build(path: Path, seed: int, cold_pages: int = 4) -> Model:
-    """A closed store: the hot sequences a writer churns, and a cold one it never touches."""
-    model = Model(seed, VGEOM)
-    with pagedkv.open(path, VGEOM, V_POOL, durability="nosync") as store:
-        store.create("cold")
-        model.create("cold")
-        for _ in range(0, cold_pages, V_POOL):
-            store.append("cold", *model.next_kv("cold", min(V_POOL, cold_pages) * VGEOM.page_size))
-        store.commit()
-        for seq in HOT:  # pushes every cold page out to the spill store
-            store.create(seq)
-            model.create(seq)
-            store.append(seq, *model.next_kv(seq, 3 * VGEOM.page_size))
-            store.commit()
-    return model
-
-
-def _busy_writer(chan: Channel, path: str, seed: int) -> None:
-    """Child: commit, evict and restore as fast as it can until the parent says stop."""
-    rng = random.Random(seed)
-    model = Model(seed, VGEOM)
-    with pagedkv.open(path, durability="nosync") as store:
-        for seq in HOT:  # new content under the same ids: the old pages become garbage
-            store.drop(seq)
-            store.create(seq)
-            model.create(seq)
-            store.append(seq, *model.next_kv(seq, rng.randrange(1, HOT_MAX)))
-        store.commit()
-        commits = 1
-        chan.send(("ready", os.getpid()))
-        while not select.select([chan.read_fd], [], [], 0)[0]:
-            seq = rng.choice(HOT)
-            if model.lens[seq] > HOT_MAX:
-                store.drop(seq)
-                store.create(seq)
-                model.create(seq)
-            store.append(seq, *model.next_kv(seq, rng.randrange(1, 2 * VGEOM.page_size)))
-            model.verify(store, rng.choice(HOT))  # restores what it reads, evicting others
-            store.commit()
-            commits += 1
-        chan.recv()
-    chan.send(("stopped", commits))
-
-
-def _verify_live(path: Path) -> tuple[int, Any, str]:
-    """``pagedkv verify --live --json PATH``: (exit code, parsed stdout or None, stderr)."""
-    try:
-        runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        runner = CliRunner()
-    result = runner.invoke(cli, ["verify", "--live", "--json", str(path)], catch_exceptions=False)
-    out = json.loads(result.stdout) if result.stdout.strip() else None
-    return result.exit_code, out, result.stderr
-
-
-@contextlib.contextmanager
-def _writer_running(path: Path, seed: int) -> Iterator[Peer]:
-    """A busy writer on ``path`` in a child, running once it has said so."""
-    peer = Peer(_busy_writer, str(path), seed)
-    try:
-        message = peer.recv(timeout=60)
-        assert message[0] == "ready", message
-        yield peer
-    finally:
-        if peer.status is None:
-            peer.kill()
-
-
-def _stop(peer: Peer) -> int:
-    """Stop the busy writer; how many commits it made."""
-    peer.send("stop")
-    message = peer.recv(timeout=60)
-    assert message[0] == "stopped", message
-    assert os.WEXITSTATUS(peer.wait()) == 0
-    return message[1]
-
-
-@pytest.mark.parametrize("cold_pages, runs, min_clean", [(4, 60, 30), (2048, 10, 0)],
-                         ids=["small", "large"])
-def test_verify_live_beside_busy_writer_reports_no_false_damage(tmp_path: Path, cold_pages: int,
-                                                                runs: int, min_clean: int) -> None:
-    """Many ``verify --live`` runs while a writer commits, evicts and restores: never DAMAGE.
-
-    Each run reads the writer's last commit through a reader slot, whatever the size of
-    data.mdb (32 MiB for the large one); a run that sees pool slots the writer rewrote
-    must say it got no consistent snapshot, never call it damage.
-    """
-    seed = get_seed("verify --live")
-    path = tmp_path / "store"
-    _build(path, seed, cold_pages)
-    tally: dict[str, int] = {}
-    problems: list[str] = []
-    with _writer_running(path, seed) as peer:
-        for run in range(runs):
-            code, out, err = _verify_live(path)
-            if code == 0 and out is not None and out["ok"] and out["live"]:
-                tally["clean"] = tally.get("clean", 0) + 1
-            elif code == 3 and "could not get a consistent snapshot" in err:
-                tally["no snapshot"] = tally.get("no snapshot", 0) + 1
-            else:
-                tally["DAMAGE"] = tally.get("DAMAGE", 0) + 1
-                shown = out["damage"][:3] if out else err.strip()
-                problems.append(f"run {run}: exit {code}: {shown}")
-        commits = _stop(peer)
-    print(f"verify --live x{runs} beside a writer that committed {commits} times: {tally}")
-    assert not problems, f"{len(problems)} false damage reports:\n" + "\n".join(problems[:10])
-    assert commits > runs, "the writer was not busy: the race was never run"
-    assert tally.get("clean", 0) >= min_clean, f"too few runs got a snapshot to verify: {tally}"
-    code, out, _ = _verify_live(path)  # the writer is gone: the store is clean, with no snapshot
-    assert code == 0 and out["ok"] and not out["live"], out
-
-
-def test_verify_live_beside_busy_writer_still_reports_real_damage(tmp_path: Path) -> None:
-    """A spilled record damaged on disk stays DAMAGE on every look, a busy writer beside it or not."""
-    seed = get_seed("verify --live damage")
-    path = tmp_path / "store"
-    _build(path, seed)
-    with pagedkv.open(path, readonly=True) as store:
-        mgr = store._mgr
-        cold = next(seq for seq in store._seqs.values() if seq.seq_id == "cold")
-        spilled = [int(mgr.uid[pid]) for pid in cold.table.tolist() if mgr.slot[pid] < 0]
-    assert spilled, "the cold sequence has no spilled page"
-    uid = spilled[0]
-    env = spill_env(path, max_dbs=5)
-    try:
-        pages = env.open_db(b"pages", create=False)
-        with env.begin(write=True) as txn:
-            record = bytearray(txn.get(uid_key(uid), db=pages))
-            record[-1] ^= 0x40  # a payload bit: the record's checksum no longer matches
-            txn.put(uid_key(uid), bytes(record), db=pages)
-    finally:
-        env.close()
-    named = re.compile(rf"\bpage {uid}\b|\buid {uid}\b|\b{uid}\b")
-    reports = 0
-    with _writer_running(path, seed) as peer:
-        for run in range(8):
-            code, out, err = _verify_live(path)
-            if code == 3:
-                assert "could not get a consistent snapshot" in err, err
-                continue
-            assert code == 1 and out is not None and not out["ok"], (code, out, err)
-            assert any(named.search(problem["message"]) for problem in out["damage"]), out["damage"]
-            reports += 1
-        commits = _stop(peer)
-    print(f"damaged store, writer committed {commits} times: {reports} of 8 runs reported the damage")
-    assert reports >= 4, f"only {reports} of 8 runs got a snapshot to verify"
-    code, out, _ = _verify_live(path)
-    assert code == 1 and any(named.search(problem["message"]) for problem in out["damage"]), out

@@ -1,4 +1,6 @@
-"""Helpers of the vLLM tests: a tiny random-weight Llama on disk, and vLLM engines in child processes.
+"""vLLM in the tests: a tiny random-weight Llama on disk, and vLLM engines in child processes.
+
+Each engine is ``python -m tests.kits.vllm_child SPEC OUT`` (see that module).
 
 The model is written with transformers (``LlamaForCausalLM(config).save_pretrained``)
 with weights of std 0.2, so that its greedy tokens depend on the KV it attends
@@ -18,8 +20,8 @@ import threading
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "vllm_child.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENGINE = [sys.executable, "-m", "tests.kits.vllm_child"]  # a module: no kit shadows a library by name
 PAGE = 32  # vLLM's CPU block size (a multiple of 32) and so the store's page size
 
 
@@ -49,8 +51,7 @@ def child_env() -> dict[str, str]:
     """The environment of a vLLM child: offline, 1 GiB of KV, this checkout importable."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    root = os.path.dirname(HERE)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
 
@@ -66,7 +67,7 @@ def spec_file(tmp: str, name: str, spec: dict[str, Any]) -> tuple[str, str]:
 def run_child(tmp: str, name: str, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Run one vLLM engine to completion; return its results and its log (``log``)."""
     spec_path, out_path = spec_file(tmp, name, spec)
-    proc = subprocess.run([sys.executable, CHILD, spec_path, out_path], env=child_env(), cwd=tmp,
+    proc = subprocess.run([*ENGINE, spec_path, out_path], env=child_env(), cwd=tmp,
                           capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0 or not os.path.exists(out_path):
@@ -83,7 +84,7 @@ def start_child(tmp: str, name: str, spec: dict[str, Any]) -> subprocess.Popen[s
     Its output is a pipe the test reads (``wait_for_line``), merged with its errors.
     """
     spec_path, out_path = spec_file(tmp, name, spec)
-    return subprocess.Popen([sys.executable, CHILD, spec_path, out_path], env=child_env(), cwd=tmp,
+    return subprocess.Popen([*ENGINE, spec_path, out_path], env=child_env(), cwd=tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
