@@ -15,7 +15,8 @@ from click.testing import CliRunner
 import pagedkv
 from pagedkv.remote import RemoteConfig, parse_url
 from pagedkv.remote import record
-from support import GEOM, kv, same_bits
+from tests.kits.content import kv, same_bits
+from tests.kits.store import GEOM
 
 pytest_plugins = ("kits.redisserver",)  # its redis_server, redis_clean, redis_cluster fixtures
 
@@ -190,10 +191,12 @@ def _two_hosts(tmp_path: Path, url: str) -> None:
     assert got["stats"]["remote_rejected"] == 0 and got["stats"]["remote_errors"] == 0
 
 
+@pytest.mark.slow
 def test_two_hosts_share_a_prompt(tmp_path: Path, redis_clean) -> None:
     _two_hosts(tmp_path, redis_clean.url)
 
 
+@pytest.mark.slow
 def test_two_hosts_share_a_prompt_across_a_cluster(tmp_path: Path, redis_cluster) -> None:
     client = redis_cluster.client()
     client.flushall(target_nodes="primaries")
@@ -203,6 +206,7 @@ def test_two_hosts_share_a_prompt_across_a_cluster(tmp_path: Path, redis_cluster
     assert all(node.client().dbsize() for node in redis_cluster.nodes)  # spread over every node
 
 
+@pytest.mark.slow
 def test_unix_socket_lookup_then_local_create(tmp_path: Path, redis_clean) -> None:
     tokens = prompt()
     with open_host(tmp_path, "a", redis_clean.unix_url) as a:

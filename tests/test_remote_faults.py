@@ -24,7 +24,8 @@ from click.testing import CliRunner
 import pagedkv
 from kits.redisserver import RedisServer, replica_of
 from pagedkv.remote import RemoteConfig, record
-from support import GEOM, engine_write, kv, same_bits
+from tests.kits.content import kv, same_bits
+from tests.kits.store import GEOM, engine_write
 
 pytest_plugins = ("kits.redisserver",)  # its redis_server, redis_clean, redis_cluster fixtures
 
@@ -130,6 +131,7 @@ def _published_prompt(tmp_path: Path, url: str, count: int = 400, seed: int = 3)
     return tokens
 
 
+@pytest.mark.slow
 def test_paused_server(tmp_path: Path, redis_clean: RedisServer) -> None:
     tokens = _published_prompt(tmp_path, redis_clean.url)
     remote = config(redis_clean.url)
@@ -150,6 +152,7 @@ def test_paused_server(tmp_path: Path, redis_clean: RedisServer) -> None:
         assert b.check() == []
 
 
+@pytest.mark.slow
 def test_server_asleep(tmp_path: Path, redis_clean: RedisServer) -> None:
     tokens = _published_prompt(tmp_path, redis_clean.url)
     remote = config(redis_clean.url)
@@ -290,6 +293,7 @@ def test_password_required(tmp_path: Path, caplog: pytest.LogCaptureFixture,
         server.stop()
 
 
+@pytest.mark.slow
 def test_read_only_replica(tmp_path: Path, redis_clean: RedisServer) -> None:
     replica = replica_of(tmp_path / "replica", redis_clean)
     try:
