@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..core import StoreCore
 from ..errors import PageCorrupt, PagedKVError, PoolExhausted
+from ..geometry import Geometry
 from ..pages.directory import HASHED, NOWHERE
-from ..pages.prefix import ROOT, chain_hash, seal, write_tokens
+from ..pages.prefix import ROOT, TOKEN_DTYPE, chain_hash, seal, write_tokens
 from ..pages.restore import fetch_record
 from . import record
 from .client import FETCH, PUBLISH, RemoteClient
@@ -288,6 +289,63 @@ class RemoteTier:
         if os.getpid() == self._pid:
             self.publisher.stop(2 * (self.config.publish_timeout + self.config.connect_timeout))
             self.client.close()
+
+
+class Probe:
+    """Which pages the remote tier holds, asked without a store (an engine's scheduler, in its own process).
+
+    Holding is not validity: a held page is only worth planning a load for, and the
+    store's fetch verifies every page it places (a refused one is a load error and
+    a recompute, never served).
+
+    Params:
+        remote: a URL or a ``RemoteConfig`` (the store's own ``remote=``).
+        model: the model fingerprint of the engine's store.
+        geom: the store geometry.
+    """
+
+    def __init__(self, remote: Any, model: str, geom: Geometry) -> None:
+        self.config = RemoteConfig.of(remote)
+        self.page_size = geom.page_size
+        self.salt = record.remote_salt(self.config.namespace, model, geom)
+        self.counters = Counters()
+        self.client = RemoteClient(self.config, self.counters)
+
+    def chain(self, token_ids: Any, pages: int) -> list[bytes]:
+        """Remote hashes of the first ``pages`` pages of ``token_ids`` (the store's ids, namespace page first)."""
+        ids = np.ascontiguousarray(token_ids, TOKEN_DTYPE)
+        return record.chain(self.salt, ids, self.page_size, min(pages, len(ids) // self.page_size))
+
+    def held(self, digests: Sequence[bytes]) -> int | None:
+        """How many of ``digests``, from the first on, the tier holds: one pipelined EXISTS round trip.
+
+        It runs on the fetch connection, under the fetch timeouts and backoff; None
+        when the tier could not be asked (failure counted, never raised).
+        """
+        if not digests:
+            return 0
+        if not self.config.fetch or not self.client.available(FETCH):
+            return None
+        keys = [record.remote_key(self.config.key_prefix, self.config.namespace, self.salt, digest)
+                for digest in digests]
+
+        def run(client: Any) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(found) for found in pipe.execute()]
+
+        found = self.client._run(FETCH, run)
+        if found is None:
+            return None
+        count = found.index(False) if False in found else len(found)
+        if count < len(found):
+            self.counters.add("remote_fetch_misses")
+        return count
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.client.close()
 
 
 def attach(store: StoreCore, remote: Any) -> RemoteTier:

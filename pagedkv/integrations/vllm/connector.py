@@ -51,7 +51,8 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, fingerprint, geometry.page_size,
-                                            load=bool(transfer.is_kv_consumer), save=bool(transfer.is_kv_producer))
+                                            load=bool(transfer.is_kv_consumer), save=bool(transfer.is_kv_producer),
+                                            geometry=geometry)
         else:
             self._worker = WorkerSide(self.config, geometry, layer_names, fingerprint,
                                       int(kv_cache_config.num_blocks))

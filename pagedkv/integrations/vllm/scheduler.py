@@ -7,6 +7,11 @@ from then on it keeps the view current itself: pages it asks the worker to save
 are added when planned (the worker applies saves before the next step's loads),
 and hashes the worker reports as missing or unsaved are dropped. A page the view
 wrongly believes present costs one load error and a recompute, never wrong KV.
+
+With a remote tier (``"remote"``), the pages after the local match are asked of
+it too: one pipelined EXISTS round trip per request (the tier's fetch timeouts;
+a failure is a miss, counted). The worker's store fetches and verifies them when
+it loads them; one gone or refused by then is a load error and a recompute.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from typing import Any
 import numpy as np
 
 from ...errors import ModelMismatch, PagedKVError
+from ...geometry import Geometry
 from ...prefixview import ROOT, PrefixView
+from ...remote.tier import Probe
 from .config import ConnectorConfig
 from .identity import namespace_tokens, request_namespace
 from .meta import PageJob, PagedKVStats, StepPlan, WorkerReport
 from .shared import log, live_worker_store
 
 __all__ = ["SchedulerSide"]
+
+_FAILED_CAP = 1 << 16  # remote hashes remembered as failed; past it they are offered again
 
 
 @dataclass
@@ -38,6 +47,10 @@ class _Request:
     local_tokens: int = 0  # vLLM's own prefix hit at the last lookup
     held_pages: int = 0  # leading full prompt pages the store holds, at the last lookup
     saved: int = 0  # leading pages held by the store or planned to be saved
+    remote_digests: list[bytes] | None = None  # remote hashes of the store's pages of the prompt
+    probed: tuple[int, int] | None = None  # (local pages, usable pages) of the last remote probe
+    remote_pages_cached: int = 0  # that probe's answer
+    remote_pages: int = 0  # prompt pages after the local match the remote tier holds, per that probe
 
 
 class SchedulerSide:
@@ -48,16 +61,19 @@ class SchedulerSide:
         fingerprint: this engine's model fingerprint (compared with the store's).
         page_size: vLLM's block size (the store's page size).
         load, save: whether to serve prompts from the store, and to save into it.
+        geometry: the store geometry; with it and a ``"remote"`` setting, the remote tier is asked too.
     """
 
     def __init__(self, config: ConnectorConfig, fingerprint: str, page_size: int, load: bool = True,
-                 save: bool = True) -> None:
+                 save: bool = True, geometry: Geometry | None = None) -> None:
         self.config, self.page_size, self.fingerprint = config, page_size, fingerprint
         self.load, self.save = load, save  # kv_role: kv_consumer only loads, kv_producer only saves
         self.stats = PagedKVStats()
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan()
         self.view: PrefixView | None = None
+        self.probe: Probe | None = None
+        self._remote_failed: set[bytes] = set()  # remote hashes whose load failed: not offered again
         self.disabled: str | None = None
         try:
             store = live_worker_store(config.path)
@@ -74,6 +90,12 @@ class SchedulerSide:
             return
         self.view = view
         log.info("pagedkv: %s holds %d cached pages for this model", config.path, len(view))
+        remote = dict(config.open_options).get("remote")
+        if remote is not None and geometry is not None and load:
+            try:
+                self.probe = Probe(remote, fingerprint, geometry)
+            except PagedKVError as exc:  # the worker's open refuses it too, and says so
+                log.warning("pagedkv: remote tier not asked, local hits only: %s", exc)
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason
@@ -117,9 +139,42 @@ class SchedulerSide:
         ns_ok = state.namespace is None or state.root in self.view
         state.held_pages = self.view.leading(digests) if ns_ok else 0
         state.local_tokens = num_computed_tokens
-        usable = min(state.held_pages, (request.num_prompt_tokens - 1) // size) * size if self.load else 0
+        limit = (request.num_prompt_tokens - 1) // size
+        state.remote_pages = 0
+        if self.probe is not None and self.load and state.held_pages < limit:
+            state.remote_pages = self._remote_pages(state, ns_ok, limit)
+            state.held_pages += state.remote_pages
+        usable = min(state.held_pages, limit) * size if self.load else 0
         self.stats.add("lookup_us", (time.perf_counter() - started) * 1e6)
         return max(0, usable - num_computed_tokens)
+
+    def _remote_pages(self, state: _Request, ns_ok: bool, limit: int) -> int:
+        """Prompt pages after the local match (of ``limit`` usable) that the remote tier holds.
+
+        Remote hashes chain from the store's first page (the namespace page, if
+        any), as the worker's store asks for them; one probe per request unless
+        the local match moved.
+        """
+        assert self.probe is not None
+        shift = 0 if state.namespace is None else 1
+        local = shift + state.held_pages if ns_ok else 0  # store pages matched locally
+        if state.probed == (local, limit):
+            return state.remote_pages_cached
+        started = time.perf_counter()
+        if state.remote_digests is None or len(state.remote_digests) < shift + limit:
+            ids = list(state.namespace or []) + list(state.request.all_token_ids[:limit * self.page_size])
+            state.remote_digests = self.probe.chain(np.asarray(ids, np.int64), shift + limit)
+        wanted = state.remote_digests[local:shift + limit]
+        failed = [index for index, digest in enumerate(wanted) if digest in self._remote_failed]
+        held = self.probe.held(wanted[:failed[0]] if failed else wanted)
+        self.stats.add("remote_probe_us", (time.perf_counter() - started) * 1e6)
+        if held is None:
+            self.stats.add("remote_probe_errors")
+            pages = 0
+        else:
+            pages = max(0, local + held - shift - state.held_pages)
+        state.probed, state.remote_pages_cached = (local, limit), pages
+        return pages
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the external tokens into the blocks vLLM allocated."""
@@ -136,6 +191,13 @@ class SchedulerSide:
         first = state.local_tokens // size
         last = (state.local_tokens + num_external_tokens) // size
         block_ids = list(blocks.get_block_ids()[0][first:last])
+        if state.remote_pages and self.view is not None:
+            # The worker's store fetches them for this load: local from now on (a failed fetch is
+            # reported back and forgotten again, as any failed load).
+            self.stats.add("remote_hit_tokens", min(num_external_tokens, state.remote_pages * size))
+            self.view.add(state.digests[first:last])
+            if state.namespace is not None:
+                self.view.add([state.root])
         self._plan.loads.append(PageJob(request.request_id, first, last, block_ids,
                                         list(request.all_token_ids[:last * size + 1]), state.namespace,
                                         state.digests[first:last]))
@@ -201,6 +263,14 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:  # vLLM recomputes those pages: save them once they are
                 state.saved = min(state.saved, page)
+                if state.remote_digests is not None:
+                    # Gone or refused by the worker's store: offering it again would only fail again.
+                    index = page + (0 if state.namespace is None else 1)
+                    if index < len(state.remote_digests):
+                        if len(self._remote_failed) >= _FAILED_CAP:
+                            self._remote_failed.clear()
+                        self._remote_failed.add(state.remote_digests[index])
+                    state.probed = None
 
     def take_stats(self) -> PagedKVStats | None:
         """The scheduler side's counters since the last call, or None if nothing was counted."""

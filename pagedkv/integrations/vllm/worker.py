@@ -5,6 +5,10 @@ is created with the job's token ids (sharing the store's cached pages, no copy),
 its pages are copied from the store's pool straight into the blocks vLLM
 allocated (``KVStore.each_page``), and the sequence is dropped. Pages that are gone, or fail their checksum, become
 load errors: vLLM recomputes from the first of them.
+With a remote tier, that ``create`` first fetches the pages after the local match
+into the store (verified: checksum, token ids, chain, model), so pages the
+scheduler found in Redis load like local ones; one evicted or refused by then is
+short of the match, a load error like any other.
 
 Saves are split so that a step never waits on disk: after the forward pass the
 planned blocks are copied out of vLLM's caches into staging arrays (memory
