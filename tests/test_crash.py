@@ -1,4 +1,4 @@
-"""Crash safety (RELIABILITY.md T2, T3, T4): SIGKILL loops, named crash points, power loss.
+"""Crash safety (docs/reliability.md T2, T3, T4): SIGKILL loops, named crash points, power loss.
 
 The machinery lives in tests/kits/ (crash, crashpoints, powerloss, verdict, workload), shared
 with tools/crashtest.py. Every randomised test prints its seed (``PAGEDKV_SEED=<n>`` replays
@@ -269,7 +269,7 @@ def test_power_loss(tmp_path: Path, scratch: Path, shape: str) -> None:
 
 
 def test_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RELIABILITY.md, durability modes: "In every mode: close() = commit + full sync". After a
+    """docs/reliability.md, durability modes: "In every mode: close() = commit + full sync". After a
     nosync store is closed, every committed pool slot must have been msynced (reported to the
     flush recorder) and the LMDB environment synced, so a power loss then loses nothing."""
     seed = get_seed("T4 nosync close")

@@ -1,4 +1,4 @@
-"""Real exhaustion (RELIABILITY.md T6): a file size limit, a full disk, small and full LMDB maps.
+"""Real exhaustion (docs/reliability.md T6): a file size limit, a full disk, small and full LMDB maps.
 
 * ``RLIMIT_FSIZE`` in a forked child (SIGXFSZ ignored) during creation, growth and
   eviction, and a full disk (a small tmpfs, where this machine lets us mount one), at many

@@ -1,4 +1,4 @@
-"""I/O fault loops (RELIABILITY.md T5): every I/O op of a workload fails in turn, once or for ever.
+"""I/O fault loops (docs/reliability.md T5): every I/O op of a workload fails in turn, once or for ever.
 
 SQLite style: each workload is run once to count the I/O ops it performs
 (``pagedkv.faults.io``: fallocate, flush, put, commit, set_mapsize); then, for every

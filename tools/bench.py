@@ -1,4 +1,4 @@
-"""Run the pagedkv benchmark suite (B1-B8 of PERFORMANCE.md) and print a table or JSON.
+"""Run the pagedkv benchmark suite (B1-B8 of docs/performance.md) and print a table or JSON.
 
 Usage, from the repository root::
 

@@ -1,4 +1,4 @@
-"""Crash-safety soak runs of pagedkv (RELIABILITY.md T2, T3, T4) with a summary of figures.
+"""Crash-safety soak runs of pagedkv (docs/reliability.md T2, T3, T4) with a summary of figures.
 
 The loops are the ones of tests/test_crash.py (tests/kits/crash.py, crashpoints.py and
 powerloss.py), run at soak sizes, as a module from the repository root (it imports the kits as

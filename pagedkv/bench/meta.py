@@ -201,7 +201,7 @@ def _sync_floor(path: str, nbytes: int, page_nbytes: int, pages: int, env: Any,
 def b7_commit(ctx: Ctx) -> list[dict[str, Any]]:
     """B7: ``commit()`` after a 256-sequence decode step, per durability mode, vs a bare synced LMDB commit.
 
-    The reference is PERFORMANCE.md's (a synced commit of one small put) for every
+    The reference is docs/performance.md's (a synced commit of one small put) for every
     mode; an unsynced bare commit is measured in the same rounds and reported in
     the metrics, the like-for-like floor of a nosync commit. A durable commit
     syncs twice, the pool file then LMDB: the same rounds also time that floor

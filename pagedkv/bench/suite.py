@@ -1,9 +1,9 @@
-"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8 of PERFORMANCE.md, B9 (prefetch), B10 (remote tier).
+"""The benchmark suite (``pagedkv bench``, ``python tools/bench.py``): scenarios B1-B8 of docs/performance.md, B9 (prefetch), B10 (remote tier).
 
 Every figure with a reference is a ratio measured in one process, interleaved
 with its reference (A B A B ..., median of the per-pair ratios), because absolute
 times on a shared machine mean little from one run to the next. Scenarios and
-targets are those of PERFORMANCE.md; ``quick=True`` shrinks every scenario so CI
+targets are those of docs/performance.md; ``quick=True`` shrinks every scenario so CI
 can check that the suite runs (not its numbers).
 
 A row is a dict with the keys of ``ROW_KEYS``: ``scenario`` ("B1".."B8"),

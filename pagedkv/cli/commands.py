@@ -596,7 +596,7 @@ def compact(path: str, as_json: bool) -> None:
               help="Where the temporary stores go (default: the temp dir); durable rows measure its disk.")
 @json_option
 def bench(quick: bool, scenarios: tuple[str, ...], seed: int, workdir: str | None, as_json: bool) -> None:
-    """Run the benchmarks of PERFORMANCE.md (B1-B8), B9 (prefetch), B10 (remote tier) and print their table.
+    """Run the benchmarks of docs/performance.md (B1-B8), B9 (prefetch), B10 (remote tier) and print their table.
 
     Each row is a pagedkv figure beside its reference measured in the same
     process, interleaved (A B A B ...), their ratio and the target. Progress
