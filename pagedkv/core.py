@@ -13,23 +13,24 @@ import logging
 import os
 import struct
 import threading
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, TypeVar
 
 import lmdb
 
-from .errors import (ReadOnlyStore, SequenceBusy, SequenceNotFound, StoreClosed, StoreCorrupt, StoreFull,
+from .errors import (ReadOnlyStore, SequenceBusy, StoreClosed, StoreCorrupt, StoreFull,
                      StoreIOError)
 from .geometry import Geometry
 from .options import StoreOptions
 from .pages import persist
 from .pages.manager import BlockManager
 from .pages.prefix import make_salt
-from .pages.sequence import SeqId, Sequence, seq_key
+from .pages.sequence import Sequence
+from .sequences import Sequences
 from .counters import Stats
 from .storage.pool import PagePool
 from .storage.spill import SpillStore, lmdb_error
 
-__all__ = ["StoreCore", "ActiveStep", "_op"]
+__all__ = ["StoreCore", "_op"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,15 +64,6 @@ def _op(write: bool) -> Callable[[F], F]:
     return wrap
 
 
-class ActiveStep(Protocol):
-    """What the store needs of a step while it is active (``pagedkv.Step`` is one)."""
-
-    members: frozenset[Sequence]
-
-    def length_before(self, seq: Sequence) -> int:
-        """The length ``seq`` had when the step began (its new tokens are not written yet)."""
-        ...
-
 
 class StoreCore:
     """The state of one open store handle, and the checks every operation starts with."""
@@ -95,16 +87,11 @@ class StoreCore:
         self.model: str | None = superblock.get("model")
         self.spill_limit_bytes = options.spill_limit
         self.spill_codec = options.spill_codec
-        self._dirty: dict[bytes, Sequence] = {}  # block tables the next commit writes
-        self._dropped: set[bytes] = set()  # keys of block tables the next commit deletes
-        self._table_epoch = 0  # bumped by every block-table change outside a step
-        self._batch: Any = None  # the last step's block table (see step.py)
-        self._busy: dict[int, ActiveStep] = {}  # every active step (its sequences are ``members``)
         self._closed = False
         self._poisoned: str | None = None  # why an I/O failure stopped this handle's writes
         self._pid = os.getpid()
         tables, self._state, self._damage = self._load(writer=not readonly)
-        self._seqs: dict[SeqId, Sequence] = {seq.seq_id: seq for seq in tables.values()}
+        self._seqs = Sequences(tables.values())  # the sequences, their pending changes, active steps
 
     def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
         """The committed state; a writer rewrites a format-1 store's metadata sealed."""
@@ -146,7 +133,7 @@ class StoreCore:
         self._spill.refresh()
         self._mgr = self._new_manager()
         tables, self._state, self._damage = self._load(writer=False)
-        self._seqs = {seq.seq_id: seq for seq in tables.values()}
+        self._seqs = Sequences(tables.values())
 
     def _usable(self, write: bool) -> None:
         if self._closed:
@@ -158,39 +145,6 @@ class StoreCore:
                               f"({self._poisoned}); reopen the store")
         if write and self.readonly:
             raise ReadOnlyStore(f"{self.path}: opened read-only")
-
-    def _seq(self, seq_id: SeqId) -> Sequence:
-        seq = self._seqs.get(seq_id) if type(seq_id) is str or type(seq_id) is int else None
-        if seq is None:
-            seq_key(seq_id)  # a typed error for an id of the wrong kind
-            if isinstance(seq_id, (str, int)):  # a subclass names the same sequence
-                seq = self._seqs.get(str(seq_id) if isinstance(seq_id, str) else int(seq_id))
-        if seq is None:
-            raise SequenceNotFound(f"no sequence {seq_id!r}")
-        return seq
-
-    def _idle_seq(self, seq_id: SeqId) -> Sequence:
-        seq = self._seq(seq_id)
-        self._check_idle(frozenset((seq,)))
-        return seq
-
-    def _check_idle(self, seqs: frozenset[Sequence]) -> None:
-        """Raise ``SequenceBusy`` if any of ``seqs`` is part of an active step."""
-        for step in self._busy.values():
-            if not seqs.isdisjoint(step.members):
-                busy = next(seq for seq in seqs if seq in step.members)
-                raise SequenceBusy(f"sequence {busy.seq_id!r} is in an active step")
-
-    def _written(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` whose K/V are written: an active step's new tokens count once it ends.
-
-        Inside a step the engine has not necessarily written its tokens yet, and
-        the slots it will write hold whatever a recycled page left there.
-        """
-        for step in self._busy.values():
-            if seq in step.members:
-                return step.length_before(seq)
-        return seq.length
 
     def _wait_no_steps(self, what: str) -> None:
         if self._active_steps.get(threading.get_ident()):

@@ -177,7 +177,7 @@ def serve(store: StoreCore, seq: Sequence, fetch: Callable[[Sequence], T],
                     log.warning("%s (read-only handle): %s", store.path, exc)
                 raise
             store._refresh()
-            seq = store._seq(seq.seq_id)
+            seq = store._seqs.find(seq.seq_id)
             if not enough(seq):
                 raise PagedKVError(f"sequence {seq.seq_id!r} changed under a live writer") from None
     raise AssertionError("unreachable")

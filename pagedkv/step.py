@@ -140,8 +140,8 @@ def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) 
 def fits(store: StoreCore, new_tokens: Mapping[SeqId, int]) -> bool:
     """``KVStore.can_step``: no sequence busy, and room for every page of the step at once."""
     counts = parse_counts(new_tokens)
-    seqs = [store._seq(seq_id) for seq_id in new_tokens]
-    if any(not frozenset(seqs).isdisjoint(active.members) for active in store._busy.values()):
+    seqs = [store._seqs.find(seq_id) for seq_id in new_tokens]
+    if any(not frozenset(seqs).isdisjoint(active.members) for active in store._seqs.busy.values()):
         return False
     return pages_needed(store, seqs, counts) <= store._mgr.available()
 
@@ -149,13 +149,13 @@ def fits(store: StoreCore, new_tokens: Mapping[SeqId, int]) -> bool:
 def begin(store: StoreCore, step: Step) -> None:
     """Plan and pin a step (called with the store lock held)."""
     mgr, page_size = store._mgr, store.geometry.page_size
-    batch = store._batch
-    if batch is None or batch.table_epoch != store._table_epoch or batch.seq_ids != step.seq_ids:
+    batch = store._seqs.batch
+    if batch is None or batch.table_epoch != store._seqs.epoch or batch.seq_ids != step.seq_ids:
         batch = None
         get = store._seqs.get
         found = [get(seq_id) for seq_id in step.seq_ids]
         if None in found or not set(map(type, step.seq_ids)) <= {str, int}:
-            seqs = [store._seq(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
+            seqs = [store._seqs.find(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
         else:
             seqs = cast("list[Sequence]", found)
         members = frozenset(seqs)
@@ -163,7 +163,7 @@ def begin(store: StoreCore, step: Step) -> None:
         npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
     else:  # the same batch as the last step, and no block table changed since
         seqs, members, lengths, npages = batch.seqs, batch.members, batch.lengths, batch.npages
-    store._check_idle(members)
+    store._seqs.check_idle(members)
     count = len(seqs)
     counts = np.asarray(step.new_tokens, np.int64)
     new_npages = -(-(lengths + counts) // page_size)
@@ -216,13 +216,13 @@ def begin(store: StoreCore, step: Step) -> None:
     for seq, length in zip(seqs, after.tolist()):
         seq.length = length
     step.members = members
-    store._busy[id(step)] = step
+    store._seqs.busy[id(step)] = step
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     if counts.all():
-        store._dirty.update(by_key)
+        store._seqs.dirty.update(by_key)
     else:
-        store._dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
-    store._batch = _Batch(step.seq_ids, seqs, tables, store._table_epoch, mgr.evict_epoch,
+        store._seqs.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
+    store._seqs.batch = _Batch(step.seq_ids, seqs, tables, store._seqs.epoch, mgr.evict_epoch,
                           after, new_npages, members, by_key)
     _outputs(store, step, tables, lengths, counts, new_npages, held)
 
@@ -343,7 +343,7 @@ def end(store: StoreCore, step: Step, ok: bool) -> None:
                 if not ok or step.token_ids else []
             if not ok:
                 for row in reversed(changed):
-                    store._table_epoch += 1
+                    store._seqs.epoch += 1
                     datapath.truncate(store, step._seqs[row], int(lengths[row]), int(npages[row]),
                                       int(last_pids[row]), int(last_fill[row]))
             elif step.token_ids:
@@ -355,4 +355,4 @@ def end(store: StoreCore, step: Step, ok: bool) -> None:
     finally:
         mgr.pins -= step._pins
         step._pins = np.zeros(0, np.int32)
-        store._busy.pop(id(step), None)
+        store._seqs.busy.pop(id(step), None)

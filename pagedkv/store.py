@@ -74,10 +74,7 @@ class KVStore(StoreCore):
         seq = Sequence(seq_id, key)
         if tokens is not None:
             share_prefix(self._mgr, seq, as_token_ids(tokens), self._remote and self._remote.extend)
-        self._seqs[seq_id] = seq
-        self._dirty[key] = seq
-        self._dropped.discard(key)
-        self._table_epoch += 1
+        self._seqs.add(seq)
         return seq.length
 
     @_op(write=False)
@@ -102,10 +99,9 @@ class KVStore(StoreCore):
         """
         count = datapath.check_kv(self.geometry, k, v)
         token_ids = None if tokens is None else as_token_ids(tokens, count)
-        seq = self._idle_seq(seq_id)
-        self._table_epoch += 1
+        seq = self._seqs.idle(seq_id)
+        self._seqs.changed(seq)
         datapath.append(self, seq, k, v, token_ids)
-        self._dirty[seq.key] = seq
         self._stats.add("tokens_appended", count)
 
     @_op(write=True)
@@ -129,14 +125,13 @@ class KVStore(StoreCore):
         """
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
             raise PagedKVError(f"length must be an int, got {type(length).__name__}")
-        seq = self._idle_seq(seq_id)
+        seq = self._seqs.idle(seq_id)
         if not 0 <= length <= seq.length:
             raise PagedKVError(f"length {length} is outside [0, {seq.length}] of sequence {seq_id!r}")
         if length == seq.length:
             return
-        self._table_epoch += 1
+        self._seqs.changed(seq)
         datapath.shorten(self, seq, int(length))
-        self._dirty[seq.key] = seq
 
     @_op(write=False)
     def read(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -145,8 +140,8 @@ class KVStore(StoreCore):
         Spilled pages are restored on the way; a range longer than the pool
         streams through it. Raises ``PageCorrupt`` if a page fails its checksum.
         """
-        seq = self._seq(seq_id)
-        written = self._written(seq)
+        seq = self._seqs.find(seq_id)
+        written = self._seqs.written(seq)
         if stop is not None and written < stop <= seq.length:
             raise SequenceBusy(f"tokens [{written}, {stop}) of {seq_id!r} belong to an active step "
                                "and are not written yet")
@@ -165,8 +160,8 @@ class KVStore(StoreCore):
         page. Positions past the sequence's last token are zero. Spilled pages
         are restored on the way; raises ``PageCorrupt`` like ``read``.
         """
-        seq = self._seq(seq_id)
-        written = self._written(seq)
+        seq = self._seqs.find(seq_id)
+        written = self._seqs.written(seq)
         pages = -(-written // self.geometry.page_size)
         if stop is not None and pages < stop <= seq.npages:
             raise SequenceBusy(f"pages [{pages}, {stop}) of {seq_id!r} belong to an active step "
@@ -190,8 +185,8 @@ class KVStore(StoreCore):
         store's lock: it must not call the store. Returns the pages visited; raises
         ``PageCorrupt`` like ``read``, after visiting the pages of earlier batches.
         """
-        seq = self._seq(seq_id)
-        pages = -(-self._written(seq) // self.geometry.page_size)
+        seq = self._seqs.find(seq_id)
+        pages = -(-self._seqs.written(seq) // self.geometry.page_size)
         start, stop = datapath.check_range(seq, start, pages if stop is None else stop, pages, "pages")
 
         def visit(index: int, page: np.ndarray) -> None:
@@ -208,31 +203,26 @@ class KVStore(StoreCore):
     @_op(write=True)
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """Make ``dst`` a copy of ``src`` sharing every page (copy-on-write on later appends)."""
-        seq = self._idle_seq(src)
+        seq = self._seqs.idle(src)
         key = seq_key(dst)
         if dst in self._seqs:
             raise SequenceExists(f"sequence {dst!r} already exists")
         table = seq.table.copy()
         self._mgr.incref(table)
-        self._seqs[dst] = self._dirty[key] = Sequence(dst, key, table, seq.length)
-        self._dropped.discard(key)
-        self._table_epoch += 1
+        self._seqs.add(Sequence(dst, key, table, seq.length))
 
     @_op(write=True)
     def drop(self, seq_id: SeqId) -> None:
         """Delete a sequence; pages no other sequence references are freed."""
-        seq = self._idle_seq(seq_id)
-        del self._seqs[seq.seq_id]
-        self._table_epoch += 1
+        seq = self._seqs.idle(seq_id)
+        self._seqs.remove(seq)
         self._mgr.decref(seq.table[::-1].copy())  # tail first, like the free order of vLLM
         faults.crashpoint("drop.after_free")
-        self._dirty.pop(seq.key, None)
-        self._dropped.add(seq.key)
 
     @_op(write=False)
     def length(self, seq_id: SeqId) -> int:
         """Tokens in the sequence."""
-        return self._seq(seq_id).length
+        return self._seqs.find(seq_id).length
 
     @_op(write=False)
     def sequences(self) -> list[SeqId]:
@@ -278,7 +268,7 @@ class KVStore(StoreCore):
         self._state.update(next_uid=self._mgr.next_uid, tick=self._mgr.tick, time=time.time(),
                            commits=int(self._state.get("commits", 0)) + 1,
                            durability=self.durability)
-        persist.commit(self._mgr, self._dirty, self._dropped, self._state,
+        persist.commit(self._mgr, self._seqs.dirty, self._seqs.dropped, self._state,
                        durable=self.durability == "durable")
         if self._remote is not None:
             self._remote.committed()  # publish only what this commit made durable
@@ -332,7 +322,7 @@ class KVStore(StoreCore):
         """
         ids = list(seq_ids)
         for seq_id in ids:
-            self._seq(seq_id)  # unknown ids are an error now, not in the thread
+            self._seqs.find(seq_id)  # unknown ids are an error now, not in the thread
         return self._prefetcher.submit(ids)
 
     def close(self) -> None:
@@ -383,7 +373,7 @@ class KVStore(StoreCore):
             self._remote.close()
             self._remote = None
         self._mgr.pool = None  # type: ignore[assignment]  # our own view must not pin the map
-        self._batch = None
+        self._seqs.batch = None
         # Break the store <-> thread-helper cycles, so a dropped handle is freed at once
         # rather than at the next cyclic collection.
         self._mgr.on_take = self._mgr.wait_background = None

@@ -112,7 +112,7 @@ def _committed_slot(stores, seed) -> tuple[Path, Model, int, int]:
     model = Model(seed)
     filled(store, model, "a", 2 * PS)
     store.commit()
-    pid = int(store._seq("a").table[0])
+    pid = int(store._seqs.find("a").table[0])
     slot, uid = int(store._mgr.slot[pid]), int(store._mgr.uid[pid])
     store.close()
     return Path(store.path), model, slot, uid
@@ -156,7 +156,7 @@ def _spilled_uid(stores, seed) -> tuple[Path, int]:
     filled(store, model, "a", 6 * PS)
     store.commit()
     mgr = store._mgr
-    pid = int(store._seq("a").table[0])
+    pid = int(store._seqs.find("a").table[0])
     assert mgr.slot[pid] < 0
     uid = int(mgr.uid[pid])
     store.close()

@@ -96,8 +96,8 @@ def test_repeated_steps_with_outside_changes_match_the_model(stores, seed) -> No
                 with store.step(mapping):
                     pass
             continue
-        last = store._batch
-        reused += last is not None and last.seq_ids == batch and last.table_epoch == store._table_epoch
+        last = store._seqs.batch
+        reused += last is not None and last.seq_ids == batch and last.table_epoch == store._seqs.epoch
         fresh_crossings += sum(model.lens[s] % PS == 0 and n == 1 for s, n in mapping.items())
         _step(store, model, mapping, fail=rng.random() < 0.05)
         if round_ % 25 == 0:

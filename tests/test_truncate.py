@@ -44,7 +44,7 @@ def filled(store: pagedkv.KVStore, model: Model, seq: Any, n: int) -> None:
 def held_pages(store: pagedkv.KVStore, seq: Any) -> list[int]:
     """White-box: the uids of a sequence's pages, in order."""
     mgr = store._mgr
-    return [int(mgr.uid[pid]) for pid in store._seq(seq).table.tolist()]
+    return [int(mgr.uid[pid]) for pid in store._seqs.find(seq).table.tolist()]
 
 
 # -- the data path ----------------------------------------------------------------------------
@@ -297,14 +297,14 @@ def hashed(store: pagedkv.KVStore, seq: Any) -> list[bool]:
     from pagedkv.pages.manager import HASHED
 
     mgr = store._mgr
-    return [bool(mgr.flags[pid] & HASHED) for pid in store._seq(seq).table.tolist()]
+    return [bool(mgr.flags[pid] & HASHED) for pid in store._seqs.find(seq).table.tolist()]
 
 
 def token_lists(store: pagedkv.KVStore, seq: Any) -> list[list[int] | None]:
     """White-box: the token ids each page of ``seq`` records (from memory or the tokens table)."""
     mgr = store._mgr
     out = []
-    for pid in store._seq(seq).table.tolist():
+    for pid in store._seqs.find(seq).table.tolist():
         ids = mgr.page_tokens_of(pid)
         out.append(None if ids is None else [int(t) for t in ids])
     return out
