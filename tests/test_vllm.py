@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -37,7 +36,7 @@ import pagedkv
 
 from tests.kits.content import get_seed
 from tests.kits.vllm import (PAGE, child_env, drain, full_pages_hit, make_model, prompts, run_child,
-                             start_child, wait_for_line, wait_serving)
+                             start_child, transfer_metrics, wait_for_line, wait_serving)
 
 
 
@@ -49,16 +48,6 @@ pytestmark = [
 ]
 
 SMALL_POOL = {"pool_pages": 256}
-
-
-def _metrics(log: str) -> dict[str, float]:
-    """The connector counters of every "KV Transfer metrics" line of an engine's log, summed."""
-    total: dict[str, float] = {}
-    for line in log.splitlines():
-        if "KV Transfer metrics:" in line:
-            for key, value in re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]):
-                total[key] = total.get(key, 0) + float(value)
-    return total
 
 
 class Engines:
@@ -172,7 +161,7 @@ def test_run1_on_an_empty_store_matches_the_baseline(base: dict[str, Any], run1:
     for batch in range(4):
         assert _tokens(run1, batch) == _tokens(base, batch if batch < 3 else 4)
     assert _cached(run1, 0) == [0, 0, 0, 0]
-    metrics = _metrics(run1["log"])
+    metrics = transfer_metrics(run1["log"])
     assert metrics["pages_saved"] > 0 and metrics["store_errors"] == 0 and metrics["commits"] >= 1
 
 
@@ -180,7 +169,7 @@ def test_run2_restores_every_full_page_and_the_same_tokens(world: dict[str, Any]
                                                            run2: dict[str, Any]) -> None:
     assert _cached(run2, 0) == [full_pages_hit(r["prompt"]) for r in world["plain"]]
     assert _tokens(run2, 0) == _tokens(base, 0)
-    metrics = _metrics(run2["log"])
+    metrics = transfer_metrics(run2["log"])
     assert metrics["pages_loaded"] > 0 and metrics["load_errors"] == 0
     assert metrics["hit_tokens"] >= sum(_cached(run2, 0))  # the counters reached vLLM's stats log
 
@@ -254,7 +243,7 @@ def test_corrupt_pages_are_recomputed_with_the_same_tokens(engines: Engines, wor
         return run_child(str(engines.root), "corrupt", _spec(world, str(store), [world["plain"]]))
     corrupt = engines.once("corrupt", make)
     assert _tokens(corrupt, 0) == _tokens(base, 0)
-    metrics = _metrics(corrupt["log"])
+    metrics = transfer_metrics(corrupt["log"])
     assert metrics["load_errors"] >= 4 and metrics["pages_saved"] > 0  # recomputed pages saved anew
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from pagedkv.inspection.report import summary
 from pagedkv.snapshot import open_snapshot
 
 from tests.kits.content import get_seed
-from tests.kits.vllm import PAGE, full_pages_hit, make_model, prompts, run_child
+from tests.kits.vllm import PAGE, full_pages_hit, make_model, prompts, run_child, transfer_metrics
 
 pytest_plugins = ("kits.redisserver",)  # its redis_server and redis_clean fixtures
 
@@ -36,16 +35,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("redis") is None,
     reason="vllm and redis-py (pip install -e '.[vllm,redis]') are not installed")
 NAMES = ["model.layers.0.attn", "model.layers.1.attn"]
-
-
-def _metrics(log: str) -> dict[str, float]:
-    """The connector counters of every "KV Transfer metrics" line of an engine's log, summed."""
-    total: dict[str, float] = {}
-    for line in log.splitlines():
-        if "KV Transfer metrics:" in line:
-            for key, value in re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]):
-                total[key] = total.get(key, 0) + float(value)
-    return total
 
 
 def _remote_counters(store: Path) -> dict[str, int]:
@@ -179,7 +168,7 @@ def test_host_b_restores_host_a_prompts_and_refuses_swapped_values(tmp_path: Pat
     assert [r["tokens"] for r in b["batches"][0]] == want
     hits = [full_pages_hit(r["prompt"]) for r in batch]
     assert [r["cached"] for r in b["batches"][0]] == hits  # every usable page came from the tier
-    metrics = _metrics(b["log"])
+    metrics = transfer_metrics(b["log"])
     assert metrics.get("hit_tokens") == sum(hits) and metrics.get("load_errors", 0) == 0
     assert metrics.get("pages_loaded") == sum(hits) // PAGE
     fetched = _remote_counters(tmp_path / "b")
@@ -192,7 +181,7 @@ def test_host_b_restores_host_a_prompts_and_refuses_swapped_values(tmp_path: Pat
         client.set(key, value)
     c = _engine(tmp_path, "c", model, url, batch)
     assert [r["tokens"] for r in c["batches"][0]] == want
-    metrics = _metrics(c["log"])
+    metrics = transfer_metrics(c["log"])
     assert metrics.get("hit_tokens") == sum(hits)  # the scheduler saw keys...
     assert metrics.get("load_errors") == sum(hits) // PAGE and metrics.get("pages_loaded", 0) == 0  # ...never used
     refused = _remote_counters(tmp_path / "c")

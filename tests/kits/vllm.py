@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +24,16 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = [sys.executable, "-m", "tests.kits.vllm_child"]  # a module: no kit shadows a library by name
 PAGE = 32  # vLLM's CPU block size (a multiple of 32) and so the store's page size
+
+
+def transfer_metrics(log: str) -> dict[str, float]:
+    """The connector counters of every "KV Transfer metrics" line of an engine's log, summed."""
+    total: dict[str, float] = {}
+    for line in log.splitlines():
+        if "KV Transfer metrics:" in line:
+            for key, value in re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]):
+                total[key] = total.get(key, 0) + float(value)
+    return total
 
 
 def make_model(path: str, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
