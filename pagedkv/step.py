@@ -18,7 +18,7 @@ from .core import StoreCore, _op
 from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
 from .pages.prefix import as_token_ids, seal, write_tokens
-from .pages.sequence import SeqId, Sequence
+from .pages.sequence import PerSequence, SeqId, Sequence
 from .pages.directory import HAS_TOKENS
 
 
@@ -34,13 +34,14 @@ class Step:
     step's new tokens are rolled back.
     """
 
-    def __init__(self, store: StoreCore, new_tokens: Mapping[SeqId, int],
-                 tokens: Mapping[SeqId, Any] | None = None) -> None:
+    def __init__(self, store: StoreCore, new_tokens: PerSequence[int],
+                 tokens: PerSequence[Any] | None = None) -> None:
         counts = parse_counts(new_tokens)
         tokens = tokens or {}
         if not isinstance(tokens, Mapping) or not set(tokens) <= set(new_tokens):
             raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
-        self.token_ids = {seq_id: as_token_ids(ids, int(new_tokens[seq_id]))
+        counts_of = cast("Mapping[SeqId, int]", new_tokens)  # keys were checked against new_tokens just above
+        self.token_ids = {seq_id: as_token_ids(ids, int(counts_of[seq_id]))
                           for seq_id, ids in tokens.items()}
         self._store = store
         self.seq_ids: list[SeqId] = list(new_tokens)
@@ -137,7 +138,7 @@ def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) 
     return total
 
 
-def fits(store: StoreCore, new_tokens: Mapping[SeqId, int]) -> bool:
+def fits(store: StoreCore, new_tokens: PerSequence[int]) -> bool:
     """``KVStore.can_step``: no sequence busy, and room for every page of the step at once."""
     counts = parse_counts(new_tokens)
     seqs = [store._seqs.find(seq_id) for seq_id in new_tokens]

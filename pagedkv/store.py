@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from .errors import PagedKVError, SequenceBusy, SequenceExists
 from .options import DURABILITY, PERSISTED_COUNTERS, StoreOptions
 from .pages import evict, persist
 from .pages.prefix import as_token_ids, match_prefix, share_prefix
-from .pages.sequence import SeqId, Sequence, seq_key
+from .pages.sequence import PerSequence, SeqId, Sequence, seq_key
 from .remote import tier as remote_tier
 from .stats import CacheDrop, StoreStats, store_stats
 from .step import Step
@@ -230,7 +230,7 @@ class KVStore(StoreCore):
         return [seq.seq_id for seq in self._seqs.values()]
 
     # -- steps ---------------------------------------------------------------
-    def step(self, new_tokens: Mapping[SeqId, int], tokens: Mapping[SeqId, Any] | None = None) -> Step:
+    def step(self, new_tokens: PerSequence[int], tokens: PerSequence[Any] | None = None) -> Step:
         """A step adding ``new_tokens[seq]`` tokens to each sequence; use it as a context manager.
 
         ``tokens`` optionally maps sequences to the ids of their new tokens, so the
@@ -239,7 +239,7 @@ class KVStore(StoreCore):
         return Step(self, new_tokens, tokens)
 
     @_op(write=False)
-    def can_step(self, new_tokens: Mapping[SeqId, int]) -> bool:
+    def can_step(self, new_tokens: PerSequence[int]) -> bool:
         """Whether ``step(new_tokens)`` would find room for all its pages at once right now."""
         return step_mod.fits(self, new_tokens)
 

@@ -93,6 +93,11 @@ USER_SCRIPT = '''
                 assert_type(step, pagedkv.Step)
                 print(slots.shape, step.block_tables.shape)
             store.truncate("a", 1)
+            by_int: dict[int, int] = {7: 2}
+            store.create(7)
+            if store.can_step(by_int):
+                with store.step(by_int, tokens={7: [1, 2]}):
+                    pass
             stats = store.stats()
             assert_type(stats, pagedkv.StoreStats)
             assert_type(stats["evictions"], int)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Mapping, TypeVar, Union
 
 import msgpack
 import numpy as np
@@ -10,6 +10,10 @@ import numpy as np
 from ..errors import PagedKVError
 
 SeqId = Union[str, int]
+# What a step is given per sequence. Mapping's key type is invariant, so a caller's
+# dict[int, int] or dict[str, int] is not a Mapping[SeqId, int]: each is named.
+_V = TypeVar("_V")
+PerSequence = Union[Mapping[str, _V], Mapping[int, _V], Mapping[SeqId, _V]]
 _MAX_ID_BYTES = 256
 
 
