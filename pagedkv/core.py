@@ -64,7 +64,6 @@ def _op(write: bool) -> Callable[[F], F]:
     return wrap
 
 
-
 class StoreCore:
     """The state of one open store handle, and the checks every operation starts with."""
 
