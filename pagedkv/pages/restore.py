@@ -15,7 +15,6 @@ from .evict import take_slots
 from .table import PageTable
 
 
-
 def restore(mgr: PageTable, pids: np.ndarray) -> None:
     """Bring spilled pages back into free slots (evicting as needed); PageCorrupt if one fails."""
     count = len(pids)
