@@ -8,6 +8,7 @@ from .errors import (FormatVersionError, GeometryMismatch, MissingDependency, Mo
                      PagedKVError, PoolExhausted, ReadOnlyStore, SequenceBusy, SequenceExists,
                      SequenceNotFound, StoreClosed, StoreCorrupt, StoreFull, StoreIOError, StoreLocked)
 from .check import Problem
+from .describe import CommitInfo, PageContent, PageInfo, PageNotFound, SequenceInfo, SpillInfo, StoreSummary
 from .geometry import PRESETS, Geometry
 from .opening import open_store as open
 from .background.prefetch import Prefetch
@@ -26,5 +27,6 @@ __all__ = [
     "SequenceExists", "SequenceBusy", "PoolExhausted", "StoreLocked", "StoreCorrupt", "PageCorrupt",
     "GeometryMismatch", "ModelMismatch", "StoreFull", "StoreIOError", "StoreClosed", "ReadOnlyStore",
     "FormatVersionError", "MissingDependency", "Problem", "Prefetch", "StoreStats", "CacheDrop", "RemoteConfig",
+    "StoreSummary", "PageInfo", "SequenceInfo", "PageContent", "SpillInfo", "CommitInfo", "PageNotFound",
     "__version__",
 ]

@@ -25,11 +25,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import lmdb
-
 from .errors import PagedKVError, StoreCorrupt, StoreLocked
 from .storage.lockfile import lock_holder
-from .pages.manager import BlockManager
 from .opening import open_store
 from .store import KVStore
 
@@ -65,11 +62,6 @@ class Snapshot:
     registered: bool  # True when the read holds a reader slot in spill/lock.mdb
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def mgr(self) -> BlockManager:
-        """The block manager of the read-only store (directory columns)."""
-        return self.store._mgr
-
     def readers(self) -> dict[str, Any]:
         """``lmdb_readers`` of the store, leaving this process's own slot out.
 
@@ -79,12 +71,10 @@ class Snapshot:
         """
         if not self.registered:
             return lmdb_readers(self.path, exclude=os.getpid())
-        try:
-            table = self.store._spill.env.readers()
-        except lmdb.Error:  # a figure for display: unknown is an answer
+        table = self.store.spill_info().reader_pids
+        if table is None:  # a figure for display: unknown is an answer
             return {"readers": None, "stale": None, "pids": []}
-        pids = [int(row.split()[0]) for row in table.splitlines()[1:] if row.split() and row.split()[0].isdigit()]
-        pids = [pid for pid in pids if pid != os.getpid()]
+        pids = [pid for pid in table if pid != os.getpid()]
         stale = [pid for pid in pids if not _alive(pid)]
         return {"readers": len(pids) - len(stale), "stale": len(stale), "pids": sorted(set(pids))}
 
@@ -157,7 +147,7 @@ def open_snapshot(path: str, live: bool = True) -> Snapshot:
             who = f"pid {holder}" if holder > 0 else "another process"
             raise StoreLocked(f"{path} is in use by a writer ({who})")
         store = _open_readonly(path)
-        registered = bool(store._spill.env.flags()["lock"])
+        registered = store.spill_info().locking
         now = lock_holder(lock_path)
         if registered or now is None:
             break

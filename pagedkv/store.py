@@ -9,12 +9,14 @@ import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
+from numpy.typing import NDArray
 
-from . import datapath, faults, step as step_mod
+from . import datapath, describe as describe_mod, faults, step as step_mod
 from .background.prefetch import Prefetch, Prefetcher
 from .background.writebehind import WriteBehind
 from .check import Problem, check_store
 from .core import StoreCore, _op
+from .describe import CommitInfo, PageContent, PageInfo, SequenceInfo, SpillInfo, StoreSummary
 from .errors import PagedKVError, SequenceBusy, SequenceExists
 from .options import DURABILITY, PERSISTED_COUNTERS, StoreOptions
 from .pages import evict, persist
@@ -421,3 +423,51 @@ class KVStore(StoreCore):
         """
         problems = [Problem("metadata", f"damaged metadata: {line}") for line in self._damage] + check_store(self)
         return problems if detailed else [problem.message for problem in problems]
+
+    # -- read API (describe.py): typed views that change nothing ---------------
+    @_op(write=False)
+    def describe(self) -> StoreSummary:
+        """Identity, geometry, pool and page occupancy, spill records, sequences and the last commit, now.
+
+        Reads the size of every spill record once; ``spill_info()`` alone reads none.
+        """
+        return describe_mod.describe(self)
+
+    @_op(write=False)
+    def describe_pages(self, uids: Iterable[int] | None = None, check: bool = False) -> list[PageInfo]:
+        """A ``pagedkv.PageInfo`` per page of ``uids`` in that order (None: every live page).
+
+        With ``check``, each is checked against its checksum as ``check()`` would
+        (``ok``, ``problem``); nothing is restored. Raises ``PageNotFound``.
+        """
+        return describe_mod.describe_pages(self, uids, check)
+
+    @_op(write=False)
+    def describe_sequences(self) -> list[SequenceInfo]:
+        """A ``pagedkv.SequenceInfo`` (id, length, page uids, resident count) per sequence, in ``sequences()`` order."""
+        return describe_mod.describe_sequences(self)
+
+    @_op(write=False)
+    def slot_states(self) -> NDArray[np.int8]:
+        """Per pool slot, its state as an index into ``pagedkv.describe.SLOT_STATES`` (a new array)."""
+        return describe_mod.slot_states(self)
+
+    @_op(write=False)
+    def page_content(self, uid: int) -> PageContent:
+        """A copy of page ``uid``'s bytes and, when spilled, its record's header; restores nothing."""
+        return describe_mod.page_content(self, uid)
+
+    @_op(write=False)
+    def spill_info(self) -> SpillInfo:
+        """The LMDB environment's map, last transaction, entry counts and reader table."""
+        return describe_mod.spill_info(self)
+
+    @_op(write=False)
+    def last_commit(self) -> CommitInfo:
+        """When the last commit was made, by which mode, and the counters it totalled over every session."""
+        return describe_mod.last_commit(self)
+
+    @_op(write=False)
+    def garbage(self) -> list[Problem]:
+        """Spill records no page owns (a crashed writer's uncommitted evictions), as ``stray_record`` problems."""
+        return describe_mod.garbage(self)

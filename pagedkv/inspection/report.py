@@ -1,8 +1,9 @@
 """Read-only reports on a store: summary, sequences, block tables, pages, pool map, verify.
 
 Every function takes a ``Snapshot`` (see ``snapshot.py``) and returns plain
-JSON-ready data with stable keys; rendering is the CLI's job. Nothing here
-writes to the store.
+JSON-ready data with stable keys; rendering is the CLI's job. The figures come
+from the store's read API (``KVStore.describe()`` and its kin, ``describe.py``)
+and from the files themselves; nothing here writes to the store.
 """
 
 from __future__ import annotations
@@ -16,28 +17,22 @@ from typing import Any
 
 import numpy as np
 
-from .cachereport import cached_mask, lifetime, prefix_cache, spill_codecs
-from ..check import Problem, stray_problems
-from ..storage.codec import decode_record, page_checksum
-from ..errors import PageCorrupt, PagedKVError, SequenceNotFound
-from ..pages.directory import HASHED, REC_NONE
-from ..pages.sequence import SeqId, Sequence
+from .cachereport import lifetime, prefix_cache, spill_codecs
+from ..check import Problem
+from ..describe import PageInfo, PageNotFound, SequenceInfo
+from ..errors import PagedKVError, SequenceNotFound
+from ..pages.sequence import SeqId
 from ..snapshot import DATA_FILE, POOL_FILE, SPILL_DIR, Snapshot, lmdb_meta
-from ..storage.spill import uid_key
-from ..pages.restore import read_record
-from ..remote.report import committed_section
+
+__all__ = ["MAP_LEGEND", "MAP_WIDTH", "PageNotFound", "disk_usage", "disk_warning", "find_sequence",
+           "page_info", "pool_map", "seq_table", "sequences", "summary", "verify"]
 
 MAP_WIDTH = 64  # cells per row of the pool map off a terminal (and in JSON)
-
-
-class PageNotFound(PagedKVError):
-    """No live page has the uid asked for."""
-
 
 MAP_LEGEND = {".": "free", "#": "resident (refcount 1)", "S": "shared (refcount > 1)", "P": "pinned",
               "c": "cached (refcount 0, kept for prefix reuse)",
               "o": "orphan (refcount 0, collected by the next writer)"}
-_MAP_CHARS = ".#SPco"  # index = slot state code
+_MAP_CHARS = ".#SPco"  # index = the slot's state in describe.SLOT_STATES, whose names begin each legend
 # Beside a live writer a pool slot may be rewritten after the snapshot's commit:
 # a page that fails its pool checksum then is unverified, not damaged.
 _LIVE_RACE_KINDS = frozenset({"pool_checksum"})
@@ -54,74 +49,58 @@ def _iso(seconds: Any) -> str | None:
 
 def summary(snap: Snapshot) -> dict[str, Any]:
     """Identity, geometry, pool and page occupancy, prefix cache, spill codecs, LMDB, commit, writer."""
-    store, mgr, geom = snap.store, snap.mgr, snap.store.geometry
-    live = np.flatnonzero(mgr.live)
-    resident = live[mgr.slot[live] >= 0]
-    cached = cached_mask(snap, live)
-    shared = int(np.count_nonzero(mgr.ref[live] > 1))
-    slot_codes = _slot_codes(snap)
-    record_count, record_bytes = 0, 0
-    spill = store._spill
-    with spill.begin_read() as txn:
-        for _, value in spill.iterate(txn, spill.pages):
-            record_count += 1
-            record_bytes += len(value)
-    info = spill.info()
+    info = snap.store.describe()
+    geom, pages, slots, spill, commit = info.geometry, info.pages, info.slots, info.spill, info.last_commit
     meta = lmdb_meta(snap.path) or {}
     readers = snap.readers()
-    state = store._state
-    sb = store.superblock
     disk = disk_usage(snap.path)
     warnings = [disk_warning(snap.path, disk)] if disk["low"] else []
     return {
         "path": snap.path,
-        "format_version": sb["format"],
-        "metadata_checked": bool(store._mgr.sealed),  # format 1 kept no metadata checksums
-        "uuid": store.uuid,
-        "created": _iso(sb.get("created")),
+        "format_version": info.format_version,
+        "metadata_checked": info.metadata_checked,  # format 1 kept no metadata checksums
+        "uuid": info.uuid,
+        "created": _iso(info.created),
         "geometry": geom.to_dict(),
-        "model": sb.get("model") if isinstance(sb.get("model"), str) else None,
+        "model": info.model,
         "page_bytes": geom.page_nbytes,
         "token_bytes": geom.token_nbytes,
         "pool": {
-            "slots": store.pool_pages,
-            "free": int(np.count_nonzero(slot_codes == 0)),
-            "resident": int(np.count_nonzero(slot_codes > 0)),
-            "pinned": int(np.count_nonzero(mgr.pins)),
-            "shared": int(np.count_nonzero(slot_codes == 2)),
+            "slots": info.pool_pages,
+            "free": slots["free"],
+            "resident": info.pool_pages - slots["free"],
+            "pinned": slots["pinned"],
+            "shared": slots["shared"],
             "file_bytes": os.path.getsize(os.path.join(snap.path, POOL_FILE)),
         },
         "pages": {
-            "total": len(live),
-            "resident": len(resident),
-            "spilled": len(live) - len(resident),
-            "shared": shared,
-            "hashed": int(np.count_nonzero(mgr.flags[live] & HASHED)),
-            "cached": int(np.count_nonzero(cached)),
-            "orphan": int(np.count_nonzero((mgr.ref[live] == 0) & ~cached)),
-            "spill_records": record_count,
-            "spilled_bytes": record_bytes,
+            "total": pages.total,
+            "resident": pages.resident,
+            "spilled": pages.spilled,
+            "shared": pages.shared,
+            "hashed": pages.hashed,
+            "cached": pages.cached,
+            "orphan": pages.orphan,
+            "spill_records": info.records,
+            "spilled_bytes": info.record_bytes,
         },
-        "prefix_cache": prefix_cache(snap, shared, int(np.count_nonzero(cached))),
-        "lifetime": lifetime(snap),
-        "spill_codecs": spill_codecs(snap),
+        "prefix_cache": prefix_cache(commit, pages.shared, pages.cached),
+        "lifetime": lifetime(commit),
+        "spill_codecs": spill_codecs(info),
         "lmdb": {
-            "map_size": meta.get("map_size", info["map_size"]),
-            "map_used": info["map_used"],
+            "map_size": meta.get("map_size", spill.map_size),
+            "map_used": spill.map_used,
             "file_bytes": os.path.getsize(os.path.join(snap.path, SPILL_DIR, DATA_FILE)),
-            "last_txnid": meta.get("txnid", info["last_txnid"]),
+            "last_txnid": meta.get("txnid", spill.last_txnid),
             "readers": readers["readers"],
             "stale_readers": readers["stale"],
-            "entries": info["entries"],
+            "entries": dict(spill.entries),
         },
-        "sequences": len(store._seqs),
-        "tokens": sum(seq.length for seq in store._seqs.values()),
-        "last_commit": {
-            "time": _iso(state.get("time")),
-            "commits": int(state.get("commits", 0)) if type(state.get("commits", 0)) is int else None,
-            "durability": state.get("durability") if isinstance(state.get("durability"), str) else None,
-        },
-        "remote": committed_section(state),  # the remote tier as of the last commit (None: none)
+        "sequences": info.sequences,
+        "tokens": info.tokens,
+        "last_commit": {"time": _iso(commit.time), "commits": commit.commits, "durability": commit.durability},
+        # the remote tier as of the last commit (None: none)
+        "remote": None if commit.remote is None else dict(commit.remote),
         "writer": {"locked": snap.writer_pid is not None,
                    "pid": snap.writer_pid if snap.writer_pid and snap.writer_pid > 0 else None},
         "snapshot": snap.registered,
@@ -136,32 +115,14 @@ def _id(seq_id: Any) -> Any:
     return seq_id if type(seq_id) in (str, int) else repr(seq_id)
 
 
-def _slot_codes(snap: Snapshot) -> np.ndarray:
-    """Per slot: 0 free, 1 resident, 2 shared, 3 pinned, 4 cached, 5 orphan (see ``_MAP_CHARS``)."""
-    mgr = snap.mgr
-    owner = mgr.slot_pid
-    used = owner >= 0
-    ref = np.where(used, mgr.ref[np.maximum(owner, 0)], 0)
-    codes = np.zeros(len(owner), np.int8)
-    codes[used] = 1
-    codes[used & (ref > 1)] = 2
-    unowned = np.flatnonzero(used & (ref == 0))
-    codes[unowned] = np.where(cached_mask(snap, owner[unowned]), 4, 5)
-    codes[mgr.pins > 0] = 3
-    return codes
-
-
 def sequences(snap: Snapshot) -> list[dict[str, Any]]:
     """Every sequence: id, length, pages, and how many are resident or spilled."""
-    mgr, out = snap.mgr, []
-    for seq in snap.store._seqs.values():
-        resident = int(np.count_nonzero(mgr.slot[seq.table] >= 0))
-        out.append({"id": _id(seq.seq_id), "length": seq.length, "pages": seq.npages,
-                    "resident": resident, "spilled": seq.npages - resident})
-    return out
+    return [{"id": _id(seq.id), "length": seq.length, "pages": len(seq.pages),
+             "resident": seq.resident, "spilled": len(seq.pages) - seq.resident}
+            for seq in snap.store.describe_sequences()]
 
 
-def find_sequence(snap: Snapshot, text: str) -> Sequence:
+def find_sequence(snap: Snapshot, text: str) -> SequenceInfo:
     """The sequence ``text`` names, read the way ``inspect --sequences`` shows ids.
 
     * A quoted string (``'chat-1'``, ``"7"``, ``'caf\\xe9'``: a Python literal, as
@@ -181,10 +142,10 @@ def find_sequence(snap: Snapshot, text: str) -> Sequence:
     elif re.fullmatch(r"-?[0-9]+", text):
         candidates.append(int(text))
     candidates.append(text)
-    # Match on (type, value) over the loaded sequences rather than the store's own index,
-    # so "7" never finds 7 by accident and the index's keying stays the library's business.
-    by_id = {(type(seq.seq_id), seq.seq_id): seq for seq in snap.store._seqs.values()
-             if type(seq.seq_id) in (str, int)}
+    # Match on (type, value) over the listed sequences rather than the store's own lookup,
+    # so "7" never finds 7 by accident and the lookup's leniency stays the library's business.
+    by_id = {(type(seq.id), seq.id): seq for seq in snap.store.describe_sequences()
+             if type(seq.id) in (str, int)}
     for candidate in candidates:
         seq = by_id.get((type(candidate), candidate))
         if seq is not None:
@@ -192,51 +153,28 @@ def find_sequence(snap: Snapshot, text: str) -> Sequence:
     raise SequenceNotFound(f"no sequence {text!r} in {snap.path}")
 
 
-def page_state(snap: Snapshot, pid: int, txn: Any) -> tuple[str, str | None]:
-    """("verified" | "unverified" | "corrupt", problem) for one page, checked now."""
-    mgr = snap.mgr
-    slot = int(mgr.slot[pid])
-    if slot >= 0:
-        actual = page_checksum(mgr.pool[slot], int(mgr.fill[pid]), int(mgr.uid[pid]), mgr.seed)
-        if actual == int(mgr.csum[pid]):
-            return "verified", None
-        problem = f"page {int(mgr.uid[pid])}: pool slot {slot} fails its checksum"
-        # A live writer may have reused the slot after our metadata snapshot.
-        return ("unverified" if snap.writer_pid else "corrupt"), problem
-    try:
-        read_record(mgr, txn, pid)
-    except PageCorrupt as exc:
-        return "corrupt", str(exc)
-    return "verified", None
+def _state(snap: Snapshot, page: PageInfo) -> str:
+    """What a checked page is in the report: verified, unverified or corrupt."""
+    if page.ok:
+        return "verified"
+    # A live writer may have reused a pool slot after our metadata snapshot.
+    return "unverified" if page.ok is None or (page.resident and snap.writer_pid) else "corrupt"
 
 
-def _page_row(snap: Snapshot, pid: int, txn: Any) -> dict[str, Any]:
-    mgr = snap.mgr
-    slot = int(mgr.slot[pid])
-    state, problem = page_state(snap, pid, txn)
-    return {"uid": int(mgr.uid[pid]), "where": "resident" if slot >= 0 else "spilled",
-            "slot": slot if slot >= 0 else None, "fill": int(mgr.fill[pid]),
-            "refcount": int(mgr.ref[pid]), "checksum": f"{int(mgr.csum[pid]):016x}",
-            "prefix_hash": bytes(mgr.hash[pid]).hex() if mgr.flags[pid] & HASHED else None,
-            "state": state, "problem": problem}
+def _page_row(snap: Snapshot, page: PageInfo) -> dict[str, Any]:
+    return {"uid": page.uid, "where": "resident" if page.resident else "spilled",
+            "slot": page.slot, "fill": page.tokens,
+            "refcount": page.refcount, "checksum": f"{page.checksum:016x}",
+            "prefix_hash": None if page.prefix_hash is None else page.prefix_hash.hex(),
+            "state": _state(snap, page), "problem": page.problem}
 
 
 def seq_table(snap: Snapshot, text: str) -> dict[str, Any]:
     """One sequence's block table, each page checked against its checksum."""
     seq = find_sequence(snap, text)
-    spill = snap.store._spill
-    with spill.begin_read() as txn:
-        rows = [{"index": index, **_page_row(snap, pid, txn)}
-                for index, pid in enumerate(seq.table.tolist())]
-    return {"id": _id(seq.seq_id), "length": seq.length, "pages": rows}
-
-
-def _find_pid(snap: Snapshot, uid: int) -> int:
-    mgr = snap.mgr
-    hits = np.flatnonzero(mgr.live & (mgr.uid == np.uint64(uid)))
-    if not len(hits):
-        raise PageNotFound(f"no page with uid {uid} in {snap.path}")
-    return int(hits[0])
+    rows = [{"index": index, **_page_row(snap, page)}
+            for index, page in enumerate(snap.store.describe_pages(seq.pages, check=True))]
+    return {"id": _id(seq.id), "length": seq.length, "pages": rows}
 
 
 def _layer_stats(values: np.ndarray) -> dict[str, Any]:
@@ -255,40 +193,27 @@ def page_info(snap: Snapshot, uid: int) -> dict[str, Any]:
     """A page's directory entry, its record header when spilled, and per-layer K/V stats."""
     if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 1 << 64:
         raise PagedKVError(f"page uid must be an integer in 0..2**64-1, got {uid!r}")
-    mgr, geom = snap.mgr, snap.store.geometry
-    pid = _find_pid(snap, uid)
-    spill = snap.store._spill
-    record, record_bytes, page = None, None, None
-    with spill.begin_read() as txn:
-        row = _page_row(snap, pid, txn)
-        if row["slot"] is not None:
-            page = np.array(mgr.pool[row["slot"]])
-        else:
-            value = txn.get(uid_key(uid), db=spill.pages)
-            if value is not None:
-                record_bytes = len(value)
-                try:
-                    record, view = decode_record(geom, value, uid)
-                    page = np.array(view)  # copy: the buffer dies with the transaction
-                except PageCorrupt as exc:
-                    row["problem"] = row["problem"] or str(exc)
-    fill = row["fill"]
+    store, geom = snap.store, snap.store.geometry
+    (page,) = store.describe_pages([uid], check=True)
+    row = _page_row(snap, page)
+    content = store.page_content(uid)
+    row["problem"] = row["problem"] or content.problem
+    fill = page.tokens
     layers = []
-    if page is not None:
+    if content.page is not None:
         for layer in range(geom.layers):
-            layers.append({"layer": layer, "k": _layer_stats(page[layer, 0, :fill]),
-                           "v": _layer_stats(page[layer, 1, :fill])})
-    if record is not None:
-        record = {**record, "csum": f"{record['csum']:016x}"}
-    users = [_id(seq.seq_id) for seq in snap.store._seqs.values() if pid in set(seq.table.tolist())]
-    return {**row, "record": record, "record_bytes": record_bytes,
-            "committed_record": bool(mgr.rec[pid] != REC_NONE), "sequences": users,
+            layers.append({"layer": layer, "k": _layer_stats(content.page[layer, 0, :fill]),
+                           "v": _layer_stats(content.page[layer, 1, :fill])})
+    record = None if content.record is None else {**content.record, "csum": f"{content.record['csum']:016x}"}
+    users = [_id(seq.id) for seq in store.describe_sequences() if uid in seq.pages]
+    return {**row, "record": record, "record_bytes": content.record_bytes,
+            "committed_record": page.record != "none", "sequences": users,
             "layers": layers}
 
 
 def pool_map(snap: Snapshot, width: int = MAP_WIDTH, max_rows: int = 64) -> dict[str, Any]:
     """The pool as rows of characters, one per slot (or per group of slots in big pools)."""
-    codes = _slot_codes(snap)
+    codes = snap.store.slot_states()
     slots = len(codes)
     per_cell = max(1, -(-slots // (width * max_rows)))
     cells = -(-slots // per_cell)
@@ -313,26 +238,25 @@ def verify(snap: Snapshot) -> dict[str, Any]:
 
     Each entry is a ``Problem.to_dict()``: ``{"kind", "page", "sequence", "message"}``.
     """
-    mgr = snap.mgr
-    problems = [p for p in snap.store.check(detailed=True) if isinstance(p, Problem)]
+    store = snap.store
+    problems = [p for p in store.check(detailed=True) if isinstance(p, Problem)]
     live_writer = snap.writer_pid is not None
     # A read-only check() leaves out records no page owns; after a crash these are
     # uncommitted evictions that the next writer open deletes, not damage.
-    garbage = stray_problems(snap.store)
+    garbage = store.garbage()
     unverified = [p for p in problems if live_writer and p.kind in _LIVE_RACE_KINDS]
     damage = [p for p in problems if p.kind != "stray_record" and p not in unverified]
-    live = np.flatnonzero(mgr.live)
-    resident = int(np.count_nonzero(mgr.slot[live] >= 0))
+    counts = store.stats()
     return {
         "path": snap.path,
         "ok": not damage,
         "damage": [p.to_dict() for p in damage],
         "garbage": [p.to_dict() for p in garbage],
         "unverified": [p.to_dict() for p in unverified],
-        "pages_checked": len(live),
-        "resident_pages": resident,
-        "spilled_pages": len(live) - resident,
-        "sequences": len(snap.store._seqs),
+        "pages_checked": counts["pages"],
+        "resident_pages": counts["pages"] - counts["spilled_pages"],
+        "spilled_pages": counts["spilled_pages"],
+        "sequences": counts["sequences"],
         "live": live_writer,
         "writer_pid": snap.writer_pid if snap.writer_pid and snap.writer_pid > 0 else None,
         "notes": list(snap.notes),
