@@ -2,9 +2,11 @@
 
 ``StoreCore`` holds what one store handle owns (the block manager, the loaded
 sequences, the lock, the commit state, the handle's health) and the checks each
-operation starts with. The data paths (datapath, step, check) and the background
-threads take a ``StoreCore``; ``KVStore`` (store.py) builds the public API on it.
-Nothing here imports those modules, so the store level has no import cycle.
+operation starts with. The data paths (datapath, step, check) take a
+``StoreCore``; the background threads get its ``background_host``, the small
+surface of background/host.py that ``CoreHost`` implements here; ``KVStore``
+(store.py) builds the public API on it. Nothing here imports those modules (only
+the host's interface), so the store level has no import cycle.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import logging
 import os
 import struct
 import threading
-from typing import Any, Callable, TypeVar
+import weakref
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterable, TypeVar
 
 import lmdb
+import numpy as np
 
+from .background.host import BackgroundHost
 from .errors import (ReadOnlyStore, SequenceBusy, StoreClosed, StoreCorrupt, StoreFull,
                      StoreIOError)
 from .geometry import Geometry
@@ -24,15 +30,16 @@ from .options import StoreOptions
 from .pages import persist
 from .pages.manager import BlockManager
 from .pages.prefix import make_salt
-from .pages.sequence import Sequence
+from .pages.sequence import SeqId, Sequence
 from .sequences import Sequences
 from .counters import Stats
 from .storage.pool import PagePool
 from .storage.spill import SpillStore, lmdb_error
 
-__all__ = ["StoreCore", "_op"]
+__all__ = ["CoreHost", "StoreCore", "_op"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 log = logging.getLogger("pagedkv.store")
 
@@ -48,14 +55,13 @@ def _op(write: bool) -> Callable[[F], F]:
                     return fn(self, *args, **kwargs)
                 except lmdb.Error as exc:
                     error = lmdb_error(exc, fn.__name__)
-                    if not self.readonly:
-                        self._poisoned = str(error)
+                    self._poison(str(error))
                     raise error from None
                 except (StoreIOError, StoreFull) as exc:
                     # Reads evict and restore too: any failed I/O leaves memory ahead of
                     # (or behind) disk, so the handle stops; the last commit is intact.
-                    if not self.readonly and not getattr(exc, "recoverable", False):
-                        self._poisoned = str(exc)
+                    if not getattr(exc, "recoverable", False):
+                        self._poison(str(exc))
                     raise
 
         inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore
@@ -91,6 +97,7 @@ class StoreCore:
         self._pid = os.getpid()
         tables, self._state, self._damage = self._load(writer=not readonly)
         self._seqs = Sequences(tables.values())  # the sequences, their pending changes, active steps
+        self.background_host: BackgroundHost = CoreHost(self)  # what the background threads get
 
     def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
         """The committed state; a writer rewrites a format-1 store's metadata sealed."""
@@ -145,8 +152,91 @@ class StoreCore:
         if write and self.readonly:
             raise ReadOnlyStore(f"{self.path}: opened read-only")
 
+    def _poison(self, reason: str) -> None:
+        """Stop this handle's writes after an I/O failure: memory may be ahead of disk since the last commit.
+
+        The one place a handle is poisoned (foreground operations and background
+        threads alike); a read-only handle writes nothing, so there is nothing to stop.
+        """
+        if not self.readonly:
+            self._poisoned = reason
+
     def _wait_no_steps(self, what: str) -> None:
         if self._active_steps.get(threading.get_ident()):
             raise SequenceBusy(f"{what} inside an active step of this thread")
         while self._active_steps:
             self._no_steps.wait()
+
+
+class CoreHost(BackgroundHost):
+    """``BackgroundHost`` on a ``StoreCore``: a view that owns nothing and holds the handle weakly.
+
+    Every answer is read from the handle when asked (a read-only handle replaces
+    its manager and sequences on refresh). The weak reference keeps the handle
+    free of a cycle through its own host, so a dropped handle is freed at once;
+    once it is gone the host reads as closed.
+    """
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = weakref.ref(core)
+        self._path = core.path
+        self._lock = core._lock  # never replaced: the threads may hold it while the handle goes
+
+    def _live(self) -> StoreCore:
+        core = self._core()
+        if core is None:
+            raise StoreClosed(f"{self._path}: the store is closed")
+        return core
+
+    @property
+    def path(self) -> str:
+        """The store's directory, for log lines."""
+        return self._path
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The store lock every foreground operation holds."""
+        return self._lock
+
+    @property
+    def manager(self) -> BlockManager:
+        """The handle's block manager as of now; under the lock."""
+        return self._live()._mgr
+
+    @property
+    def readonly(self) -> bool:
+        """Whether the handle was opened read-only."""
+        return self._live().readonly
+
+    @property
+    def closed(self) -> bool:
+        """Whether the handle is closed or was dropped."""
+        core = self._core()
+        return core is None or core._closed
+
+    @property
+    def poisoned(self) -> bool:
+        """Whether an I/O failure stopped the handle's writes."""
+        return bool(self._live()._poisoned)
+
+    def poison(self, reason: str) -> None:
+        """Poison the handle through ``StoreCore._poison``, under the store lock."""
+        with self._lock:
+            self._live()._poison(reason)
+
+    def tables(self, seq_ids: Iterable[SeqId]) -> list[np.ndarray]:
+        """The block tables of those of ``seq_ids`` that still exist (views; under the lock)."""
+        seqs = self._live()._seqs
+        return [seq.table for seq in (seqs.get(sid) for sid in seq_ids) if seq is not None]
+
+    def place(self, pid: int, slot: int) -> None:
+        """Record a page restored into ``slot`` in the page table; under the lock."""
+        self._live()._mgr._place(pid, slot)
+
+    def read_transaction(self) -> AbstractContextManager[Any]:
+        """A counted spill read transaction (``SpillStore.background_read``)."""
+        return self._live()._spill.background_read()
+
+    def write_transaction(self, body: Callable[[Any], T], what: str) -> T:
+        """One spill write transaction (``SpillStore.write``)."""
+        return self._live()._spill.write(body, what)

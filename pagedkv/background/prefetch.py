@@ -16,11 +16,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..core import StoreCore
 from ..errors import PageCorrupt, PoolExhausted
 from ..pages.directory import REC_CURRENT
 from ..pages.sequence import SeqId
 from ..pages.restore import fetch_record
+from .host import BackgroundHost, HostOwner
 
 _CHUNK = 16  # pages fetched per read transaction between two takes of the lock
 log = logging.getLogger(__name__)
@@ -29,11 +29,11 @@ log = logging.getLogger(__name__)
 class Prefetch:
     """Handle of one ``KVStore.prefetch`` request."""
 
-    def __init__(self, seq_ids: list[SeqId]) -> None:
+    def __init__(self, seq_ids: list[SeqId], done: threading.Event) -> None:
         self.seq_ids = seq_ids
         self.pages = 0  # pages this request restored ahead of use
         self.error: BaseException | None = None  # why it stopped early, if it did
-        self._done = threading.Event()
+        self._done = done  # set by the prefetcher, which keeps its own reference to it
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the prefetch finished (True) or ``timeout`` seconds passed (False)."""
@@ -47,18 +47,21 @@ class Prefetch:
 class Prefetcher:
     """One daemon thread per store, started on the first request."""
 
-    def __init__(self, store: StoreCore) -> None:
-        self._store = store
-        self._jobs: queue.Queue[Prefetch | None] = queue.Queue()
+    def __init__(self, store: HostOwner) -> None:
+        # The handle's background surface is all this thread keeps of it (the handle
+        # clears the reference when it is released).
+        self._store: BackgroundHost = store.background_host
+        self._jobs: queue.Queue[tuple[Prefetch, threading.Event] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def submit(self, seq_ids: Iterable[SeqId]) -> Prefetch:
         """Queue a prefetch of ``seq_ids`` and return its handle at once."""
-        job = Prefetch(list(seq_ids))
+        done = threading.Event()
+        job = Prefetch(list(seq_ids), done)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pagedkv-prefetch", daemon=True)
             self._thread.start()
-        self._jobs.put(job)
+        self._jobs.put((job, done))
         return job
 
     def stop(self) -> None:
@@ -69,7 +72,8 @@ class Prefetcher:
             self._thread = None
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (item := self._jobs.get()) is not None:
+            job, done = item
             try:
                 self._prefetch(job)
             except BaseException as exc:  # reported through the handle, never lost in a thread
@@ -79,30 +83,30 @@ class Prefetcher:
                 else:
                     log.error("prefetch of %s failed", job.seq_ids, exc_info=exc)
             finally:
-                job._done.set()
+                done.set()
 
     def _prefetch(self, job: Prefetch) -> None:
-        store = self._store
-        with store._lock:
-            if store._closed or store.readonly:
+        host = self._store
+        with host.lock:
+            if host.closed or host.readonly:
                 return
-            mgr = store._mgr
-            tables = [seq.table for seq in (store._seqs.get(sid) for sid in job.seq_ids) if seq is not None]
+            mgr = host.manager
+            tables = host.tables(job.seq_ids)
             pids = np.unique(np.concatenate(tables)) if tables else np.empty(0, np.int64)
             pids = pids[mgr.slot[pids] < 0]
             wanted = [(int(pid), int(mgr.uid[pid]), int(mgr.fill[pid]), int(mgr.csum[pid]))
                       for pid in pids.tolist()]
         for start in range(0, len(wanted), _CHUNK):
             staged = self._fetch(wanted[start:start + _CHUNK])
-            with store._lock:
-                if store._closed:
+            with host.lock:
+                if host.closed:
                     return
                 if not self._place(job, staged):
                     return
 
     def _fetch(self, chunk: list[tuple[int, int, int, int]]) -> list[tuple[Any, ...]]:
-        mgr, staged = self._store._mgr, []
-        with self._store._spill.background_read() as txn:
+        mgr, staged = self._store.manager, []
+        with self._store.read_transaction() as txn:
             for pid, uid, fill, csum in chunk:
                 started = time.perf_counter()
                 page, nbytes = fetch_record(mgr, txn, uid, fill, csum)
@@ -111,7 +115,8 @@ class Prefetcher:
 
     def _place(self, job: Prefetch, staged: list[tuple[Any, ...]]) -> bool:
         """Put fetched pages that are still spilled and unchanged into free slots."""
-        mgr = self._store._mgr
+        host = self._store
+        mgr = host.manager
         for pid, uid, fill, csum, page, nbytes, seconds in staged:
             if not (mgr.live[pid] and int(mgr.uid[pid]) == uid and mgr.slot[pid] < 0
                     and int(mgr.fill[pid]) == fill and int(mgr.csum[pid]) == csum
@@ -122,7 +127,7 @@ class Prefetcher:
             except PoolExhausted:
                 return False  # every slot pinned: the steps that run now need the pool
             mgr.pool[slot] = page
-            mgr._place(pid, slot)
+            host.place(pid, slot)
             job.pages += 1
             mgr.stats.add("prefetch_restores")
             mgr.stats.add("bytes_restored", nbytes)

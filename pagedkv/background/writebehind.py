@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ..core import StoreCore
 from ..storage.codec import encode_spill, page_checksum
 from ..pages import evict
 from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, SPILLED
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
+from .host import BackgroundHost, HostOwner
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 class WriteBehind:
     """The background evictor of one store."""
 
-    def __init__(self, store: StoreCore) -> None:
-        self._store = store
+    def __init__(self, store: HostOwner) -> None:
+        # The handle's background surface is all this thread keeps of it (the handle
+        # clears the reference when it is released).
+        self._store: BackgroundHost = store.background_host
         self.low_water = 0  # set by attach() once the manager exists
         self._wake = threading.Event()
         self._txn_done = threading.Event()
@@ -49,14 +51,14 @@ class WriteBehind:
 
     def attach(self) -> None:
         """Start watching the manager's free slots (after the store has loaded)."""
-        mgr = self._store._mgr
+        mgr = self._store.manager
         self.low_water = max(mgr.evict_batch, mgr.pool_pages // 8)
         mgr.on_take = self.kick
         mgr.wait_background = self.wait
 
     def kick(self) -> None:
         """Called with the store lock held after slots were taken."""
-        if len(self._store._mgr.free_slots) < self.low_water and self.error is None:
+        if len(self._store.manager.free_slots) < self.low_water and self.error is None:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pagedkv-write-behind", daemon=True)
                 self._thread.start()
@@ -81,15 +83,16 @@ class WriteBehind:
         if state is None:
             return None
         victims, written, error = state
-        if error is not None or self._store._closed:
-            np.subtract.at(self._store._mgr.bg_pins, [v["slot"] for v in victims], 1)
+        host = self._store
+        if error is not None or host.closed:
+            np.subtract.at(host.manager.bg_pins, [v["slot"] for v in victims], 1)
             if error is not None:  # poisoned like a failed foreground write
                 self.error = error
-                self._store._poisoned = f"write-behind: {error}"
+                host.poison(f"write-behind: {error}")
                 log.error("%s: a write-behind batch failed (%s); the handle is poisoned, the last "
-                          "commit is intact", self._store.path, error)
+                          "commit is intact", host.path, error)
         else:
-            evict.land_background(self._store._mgr, victims, written)
+            evict.land_background(host.manager, victims, written)
         self.in_flight = False
         return error
 
@@ -112,16 +115,15 @@ class WriteBehind:
                 if exc is not self.error:  # a failed batch was logged as it landed
                     log.error("%s: the write-behind thread failed", self._store.path, exc_info=exc)
                 self.error = exc
-                with self._store._lock:
-                    self._store._poisoned = f"write-behind: {exc}"
+                self._store.poison(f"write-behind: {exc}")
                 return
 
     def _batch(self) -> bool:
         """Spill one batch; return whether to continue (still below the low-water mark)."""
-        store = self._store
-        with store._lock:
-            mgr = store._mgr
-            if store._closed or store._poisoned or len(mgr.free_slots) >= self.low_water:
+        host = self._store
+        with host.lock:
+            mgr = host.manager
+            if host.closed or host.poisoned or len(mgr.free_slots) >= self.low_water:
                 return False
             victims = self._choose()
             if not victims:
@@ -137,7 +139,7 @@ class WriteBehind:
         finally:
             self._state = (victims, written, error)
             self._txn_done.set()
-        with store._lock:
+        with host.lock:
             if self.in_flight and self._state is not None and self._state[0] is victims:
                 self._finish()
         if error is not None:
@@ -145,7 +147,7 @@ class WriteBehind:
         return True
 
     def _choose(self) -> list[dict[str, Any]]:
-        mgr = self._store._mgr
+        mgr = self._store.manager
         live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0) & (mgr.bg_pins == 0))
         count = min(len(live), mgr.evict_batch)
         if not count:
@@ -167,7 +169,7 @@ class WriteBehind:
 
     def _encode(self, victims: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Checksums and records, off the lock (the committed prefix of each page is immutable)."""
-        mgr = self._store._mgr
+        mgr = self._store.manager
         for v in victims:
             page = mgr.pool[v["slot"]]
             if v["csum"] is None:
@@ -186,7 +188,7 @@ class WriteBehind:
 
     def _write(self, victims: list[dict[str, Any]]) -> set[int]:
         """One synced transaction; returns the slots whose page it spilled."""
-        mgr = self._store._mgr
+        mgr = self._store.manager
         written: set[int] = set()
 
         def body(txn: Any) -> None:
@@ -202,7 +204,7 @@ class WriteBehind:
                     mgr.spill.put(txn, mgr.spill.pages, key, v["record"])
                 written.add(v["slot"])
 
-        mgr.spill.write(body, "write-behind")
+        self._store.write_transaction(body, "write-behind")
         return written
 
 
