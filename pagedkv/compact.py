@@ -44,7 +44,8 @@ import lmdb
 from . import faults, opening
 from .errors import StoreCorrupt, StoreFull
 from .storage.files import fsync_dir, io_error
-from .storage.lmdbcheck import check_data_file, walk_pages
+from .storage.lmdbcheck import check_data_file
+from .storage.lmdbwalk import walk_pages
 from .storage.lockfile import WriterLock
 from .storage.pool import PagePool
 from .snapshot import require_store_dir
