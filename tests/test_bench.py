@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -11,8 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 import pagedkv
+from pagedkv.bench import vllmref
+from pagedkv.bench.meta import META_GEOM
+from pagedkv.bench.records import SameRecords, recording
+from pagedkv.bench.ref import RefHashingBlockManager
 from pagedkv.bench.suite import ROW_KEYS, SCENARIOS, format_table, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,11 +71,101 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
         assert {"restore_ms_p50", "restore_ms_p99"} <= set(row["metrics"])
     assert [row["params"]["spill_codec"] for row in churn if "spill_codec" in row["params"]] == \
         ["raw", "int8", "zstd"]  # quick: one configuration
-    (seed,) = by_id["B5"]
+    (seed,) = [row for row in by_id["B5"] if row["name"] == "seed workload"]
     assert {"memory_hits", "disk_hits", "misses", "restore_ms_mean", "total_s"} <= set(seed["metrics"])
     assert seed["metrics"]["disk_hits"] == 20  # tokens 0-19 were all spilled
     assert {row["params"]["durability"] for row in by_id["B7"]} == {"durable", "nosync", "volatile"}
     assert all(row["unit"] == "B/page" for row in by_id["B8"])
+
+
+def _named(rows: list[dict[str, Any]], scenario: str, name: str) -> dict[str, Any]:
+    (row,) = [row for row in rows if row["scenario"] == scenario and row["name"] == name]
+    for key in ("pagedkv", "reference", "ratio"):
+        assert row[key] is not None and math.isfinite(row[key]) and row[key] > 0, (name, key)
+    return row
+
+
+@pytest.mark.slow
+def test_b2_token_id_rows_hash_every_filled_page(rows: list[dict[str, Any]]) -> None:
+    vllm_here = vllmref.unavailable() is None
+    for nseq in (64, 256):  # quick sizes
+        row = _named(rows, "B2", f"decode step with token ids {nseq} seqs")
+        assert row["params"]["sequences"] == nseq and row["target"] == "<= 1.0x"
+        assert row["metrics"]["hashed_pages"] > nseq  # prompts of up to 512 tokens fill pages
+        peers = [other for other in rows if other["name"] == f"decode step with token ids {nseq} seqs vs vLLM"]
+        assert len(peers) == (1 if vllm_here else 0)
+        if vllm_here:
+            peer = _named(rows, "B2", peers[0]["name"])
+            assert peer["target"] == "<= 0.5x" and peer["pagedkv"] == row["pagedkv"]
+            assert peer["metrics"]["vllm_cached_blocks"] == row["metrics"]["hashed_pages"]
+            assert peer["params"]["vllm_hash_algo"] == "sha256"  # vLLM's default
+        else:
+            assert "vLLM not importable" in row["notes"]
+    fixed = _named(rows, "B2", "one-sequence step fixed cost")
+    assert fixed["params"]["sequences"] == 1 and fixed["unit"] == "us/step" and fixed["target"] == "<= 25 us"
+
+
+@pytest.mark.slow
+def test_b5_spilled_read_row_reads_from_spill(rows: list[dict[str, Any]]) -> None:
+    row = _named(rows, "B5", "one-page read() of a spilled page")
+    params, metrics = row["params"], row["metrics"]
+    assert row["unit"] == "us" and row["target"] == "<= 3.0x" and params["page_nbytes"] == 60
+    assert metrics["disk_hits"] == params["pairs"] * params["pages_per_block"]
+    assert metrics["spilled_pages"] > metrics["disk_hits"]
+
+
+@pytest.mark.slow
+def test_b7_same_records_and_growth_rows(rows: list[dict[str, Any]]) -> None:
+    nosync = _named(rows, "B7", "commit after decode step nosync")
+    same = _named(rows, "B7", "commit after decode step nosync vs the same records")
+    assert same["ratio"] == nosync["metrics"]["ratio_to_same_records_nosync"]
+    assert same["metrics"]["puts_dir"] == same["metrics"]["puts_seqs"] == 256  # one page and table per sequence
+    assert same["metrics"]["records"] >= 512 and same["metrics"]["put_bytes"] > 0
+    for mode in ("nosync", "durable"):
+        row = _named(rows, "B7", f"commit after decode step {mode}, 100000 vs 10000 pages")
+        assert row["target"] == "<= 1.2x"
+        assert row["params"]["pages_small"] == 10_000 and row["params"]["pages_large"] == 100_000
+        assert row["metrics"]["spilled_large"] > 0.9 * 100_000 - row["params"]["pool_pages"]
+
+
+def test_hashing_reference_chains_blocks_over_their_ids() -> None:
+    ref = RefHashingBlockManager(num_blocks=8, block_size=4)
+    ref.add("a")
+    ids = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    tables, slots, lens = ref.step_ids({"a": 6}, {"a": ids[:6]})
+    assert lens.tolist() == [6] and tables.tolist() == [[0, 1]] and slots.tolist() == [0, 1, 2, 3, 4, 5]
+    first = xxhash.xxh3_128_digest(bytes(16) + struct.pack("<4I", *ids[:4]))
+    assert ref.prefix_cache == {first: 0} and ref.block_hash == {0: first}
+    ref.step_ids({"a": 3}, {"a": ids[6:9]})  # the second block fills at token 8
+    second = xxhash.xxh3_128_digest(first + struct.pack("<4I", *ids[4:8]))
+    assert ref.prefix_cache == {first: 0, second: 1} and ref.last_hash["a"] == second
+
+
+def test_recording_logs_a_commit_and_same_records_replays_it(tmp_path: Path) -> None:
+    store = pagedkv.open(str(tmp_path / "store"), META_GEOM, pool_pages=64, durability="nosync")
+    try:
+        for seq in range(3):
+            store.create(seq)
+        with store.step({0: 20, 1: 5, 2: 1}):
+            pass
+        with recording(store) as txns:
+            store.commit()
+        (log,) = txns
+        by_db = log.by_db()
+        assert by_db["dir"] == 4 and by_db["seqs"] == 3  # pages 2 + 1 + 1, three block tables
+        assert by_db["meta"] >= 2 and not log.deletes
+        store.commit()  # recording ended: the store's own write path is back
+        assert "write" not in vars(store._spill)
+        same = SameRecords(str(tmp_path / "same"), store, log)
+        try:
+            assert same.commit_ms() > 0
+            with same.env.begin() as txn:
+                for name, key, value in log.puts:
+                    assert txn.get(key, db=same.dbs[name]) == value
+        finally:
+            same.close()
+    finally:
+        store.close()
 
 
 @pytest.mark.slow

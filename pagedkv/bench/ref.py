@@ -4,6 +4,8 @@
   ~120-line ones (per sequence a list of block ids, a deque of free blocks, a block
   allocated when a sequence crosses a page boundary, the padded int32 block table
   and the slot mapping built from Python lists every step).
+* ``RefHashingBlockManager``: the same with token ids, hashing each block as it
+  fills (xxh3-128 chained over the parent's hash) into a prefix-cache dict.
 * ``SpillSim``: a minimal LRU spill cache over a memmapped pool with the same
   policy as pagedkv (evict in batches, write an evicted page only when the stored
   copy is stale, restore into a free slot), over a raw backend:
@@ -14,11 +16,13 @@
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict, deque
-from typing import Any, Hashable, Mapping, Protocol, TypeVar
+from typing import Any, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import lmdb
 import numpy as np
+import xxhash
 
 _Seq = TypeVar("_Seq", bound=Hashable)
 
@@ -51,6 +55,65 @@ class RefBlockManager:
                 table.append(self.free.popleft())
             for pos in range(start, end):
                 slots.append(table[pos // size] * size + pos % size)
+            self.lengths[seq] = end
+            rows.append(table)
+            lens.append(end)
+        width = max(len(row) for row in rows)
+        block_tables = np.array([row + [-1] * (width - len(row)) for row in rows], dtype=np.int32)
+        return block_tables, np.array(slots, dtype=np.int64), np.array(lens, dtype=np.int32)
+
+
+class RefHashingBlockManager(RefBlockManager):
+    """``RefBlockManager`` with token ids: every block is hashed as it fills (the B2 token-id reference).
+
+    Each sequence keeps its token ids and the hash of its last full block; a
+    block that fills gets ``xxh3_128(parent hash + its ids as little-endian
+    uint32)``, recorded in the prefix cache (hash -> block id) and per block.
+    """
+
+    ROOT = bytes(16)  # the parent hash of a sequence's first block
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.ids: dict[Hashable, list[int]] = {}
+        self.last_hash: dict[Hashable, bytes] = {}
+        self.prefix_cache: dict[bytes, int] = {}
+        self.block_hash: dict[int, bytes] = {}
+        self._pack = struct.Struct(f"<{block_size}I").pack
+
+    def add(self, seq: Hashable) -> None:
+        """Register an empty sequence."""
+        super().add(seq)
+        self.ids[seq] = []
+        self.last_hash[seq] = self.ROOT
+
+    def step_ids(self, new_tokens: Mapping[_Seq, int], tokens: Mapping[_Seq, Sequence[int]]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``step`` with each sequence's new token ids: blocks filled by them are hashed and cached."""
+        size = self.block_size
+        pack = self._pack
+        digest = xxhash.xxh3_128_digest
+        rows: list[list[int]] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        for seq, count in new_tokens.items():
+            table = self.tables[seq]
+            start = self.lengths[seq]
+            end = start + count
+            while len(table) * size < end:
+                table.append(self.free.popleft())
+            for pos in range(start, end):
+                slots.append(table[pos // size] * size + pos % size)
+            ids = self.ids[seq]
+            ids.extend(tokens[seq])
+            full = start // size  # blocks already hashed
+            if end // size > full:
+                parent = self.last_hash[seq]
+                for index in range(full, end // size):
+                    parent = digest(parent + pack(*ids[index * size:(index + 1) * size]))
+                    self.prefix_cache[parent] = table[index]
+                    self.block_hash[table[index]] = parent
+                self.last_hash[seq] = parent
             self.lengths[seq] = end
             rows.append(table)
             lens.append(end)

@@ -21,11 +21,14 @@ import tempfile
 from typing import Any, Callable, Iterable
 
 from .churn import b4_churn
+from .decode import b2_all
+from .growth import b7_all
 from .prefetch import b9_prefetch
 from .remote import b10_remote
 from .data import b1_prefill, b3_read
 from .mem import b8_memory
-from .meta import b2_step, b5_seed, b6_reopen, b7_commit
+from .meta import b6_reopen
+from .seedread import b5_all
 from .util import ROW_KEYS, Ctx
 from ..errors import PagedKVError
 
@@ -36,12 +39,15 @@ Scenario = Callable[[Ctx], list[dict[str, Any]]]
 # id -> (title, function); the order is the run order.
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "B1": ("prefill append vs page-by-page memmap copy", b1_prefill),
-    "B2": ("decode bookkeeping: step() vs a pure-Python block manager", b2_step),
+    "B2": ("decode bookkeeping: step() vs a pure-Python block manager; with token ids, also vs vLLM's "
+           "KVCacheManager; a one-sequence step's fixed cost", b2_all),
     "B3": ("read whole sequences vs numpy copy", b3_read),
     "B4": ("spill/restore churn vs raw LMDB (and one file per page), per spill codec", b4_churn),
-    "B5": ("the seed workload: 20,000 60-byte tokens, 0.5 MB pool", b5_seed),
+    "B5": ("the seed workload: 20,000 60-byte tokens, 0.5 MB pool; a spilled page's read vs a bare LMDB get",
+           b5_all),
     "B6": ("reopen time at 10k/100k/1M pages", b6_reopen),
-    "B7": ("commit after a 256-sequence decode step vs a bare LMDB commit", b7_commit),
+    "B7": ("commit after a 256-sequence decode step vs a bare LMDB commit and the same records; "
+           "at 10k vs 1M directory pages", b7_all),
     "B8": ("anonymous memory per page of metadata", b8_memory),
     "B9": ("decode loop over spilled sequences with prefetch one step ahead vs without", b9_prefetch),
     "B10": ("remote tier: fetch from Redis vs raw redis-py GETs; a reused prompt on host B vs computing it",
