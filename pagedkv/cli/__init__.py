@@ -1,1 +1,1 @@
-"""The `pagedkv` command line: click commands (commands.py) and their text rendering (text.py)."""
+"""The `pagedkv` command line: the click group (commands.py), its commands (storecommands.py, runcommands.py), exit codes (exits.py), shared options (options.py) and text rendering (text.py, storetext.py, demotext.py)."""
