@@ -92,9 +92,8 @@ def truncate(store: StoreCore, seq: Sequence, length: int, npages: int, last: in
         mgr.incref(np.array([last]))
     elif npages and mgr.fill[last] != last_fill:
         mgr.mark_written(last, last_fill)
-        token_ids = mgr.page_tokens.get(last)
-        if token_ids is not None:
-            mgr.page_tokens[last] = token_ids[:last_fill]
+        if last in mgr.page_tokens:
+            mgr.page_tokens.cut(last, last_fill)
     if len(extra):
         mgr.decref(extra)
     seq.length = length
@@ -144,9 +143,9 @@ def _cut_tokens(mgr: Any, pid: int, keep: int, token_ids: np.ndarray | None) -> 
         return
     if token_ids is None or len(token_ids) < keep:
         mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
-        mgr.page_tokens.pop(pid, None)
+        mgr.page_tokens.drop(pid)
     else:
-        mgr.page_tokens[pid] = np.array(token_ids[:keep])
+        mgr.page_tokens.set(pid, token_ids[:keep].copy())
 
 
 def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> tuple[int, int]:

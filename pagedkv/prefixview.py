@@ -26,7 +26,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from .errors import PagedKVError
-from .pages.prefix import ROOT, TOKEN_DTYPE, chain_hash, make_salt
+from .pages.prefix import ROOT, chain_hash, make_salt
+from .pages.tokens import TOKEN_DTYPE
 from .store import KVStore
 from .opening import open_store
 

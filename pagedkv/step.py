@@ -17,7 +17,7 @@ from . import datapath, faults
 from .core import StoreCore, _op
 from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
-from .pages.prefix import as_token_ids, seal, write_tokens
+from .pages.prefix import seal, step_token_ids, write_tokens
 from .pages.sequence import PerSequence, SeqId, Sequence
 from .pages.directory import HAS_TOKENS
 
@@ -41,17 +41,25 @@ class Step:
         if not isinstance(tokens, Mapping) or not set(tokens) <= set(new_tokens):
             raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
         counts_of = cast("Mapping[SeqId, int]", new_tokens)  # keys were checked against new_tokens just above
-        self.token_ids = {seq_id: as_token_ids(ids, int(counts_of[seq_id]))
-                          for seq_id, ids in tokens.items()}
-        self._store = store
         self.seq_ids: list[SeqId] = list(new_tokens)
+        self.decode = counts.count(1) == len(counts)  # one new token per sequence
+        self.token_ids: dict[SeqId, np.ndarray] = {}
+        # Every new token's id in row order, when each sequence of the step has its ids
+        # and they come in the step's order (the vectorised path of a decode step).
+        self.ordered_ids: np.ndarray | None = None
+        if tokens:
+            self.token_ids, flat = step_token_ids(tokens, counts_of)
+            if self.decode and list(tokens) == self.seq_ids:
+                self.ordered_ids = flat  # one id per row
+        self._store = store
         self.new_tokens = counts
         self.block_tables = np.empty((0, 0), np.int32)
         self.slot_mapping = np.empty(0, np.int64)
         self.seq_lens = np.empty(0, np.int32)
         self._seqs: list[Sequence] = []
         self._undo: tuple[np.ndarray, ...] = ()  # lengths, pages, last pages, their fills
-        self._pins = np.zeros(0, np.int32)
+        self._held = _NONE  # the slots of the step's existing pages, pinned (a slot per reference)
+        self._extra: list[int] = []  # slots pinned one by one: new pages and copies
         self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
 
     def __enter__(self) -> Step:
@@ -106,6 +114,7 @@ def parse_counts(new_tokens: Any) -> list[int]:
 
 # Up to this many rows, per-row scalar updates cost less than numpy's per-call overhead.
 _FEW = 4
+_NONE = np.zeros(0, np.int32)
 
 
 class _Batch:
@@ -118,10 +127,11 @@ class _Batch:
 
     def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
                  table_epoch: int, evict_epoch: int, lengths: np.ndarray, npages: np.ndarray,
-                 members: frozenset[Sequence], by_key: dict[bytes, Sequence]) -> None:
+                 members: frozenset[Sequence], by_key: dict[bytes, Sequence], rows: np.ndarray) -> None:
         self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
         self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
         self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
+        self.rows = rows  # arange(len(seqs))
 
 
 def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -148,58 +158,67 @@ def fits(store: StoreCore, new_tokens: PerSequence[int]) -> bool:
 
 
 def begin(store: StoreCore, step: Step) -> None:
-    """Plan and pin a step (called with the store lock held)."""
-    mgr, page_size = store._mgr, store.geometry.page_size
-    batch = store._seqs.batch
-    if batch is None or batch.table_epoch != store._seqs.epoch or batch.seq_ids != step.seq_ids:
+    """Plan and pin a step (called with the store lock held).
+
+    A step's fixed cost is a count of numpy calls (about a microsecond each), so
+    each array below is computed once and the decode case (one token per row)
+    skips the masks it cannot need.
+    """
+    mgr, page_size, known = store._mgr, store.geometry.page_size, store._seqs
+    batch = known.batch
+    if batch is None or batch.table_epoch != known.epoch or batch.seq_ids != step.seq_ids:
         batch = None
-        get = store._seqs.get
+        get = known.get
         found = [get(seq_id) for seq_id in step.seq_ids]
         if None in found or not set(map(type, step.seq_ids)) <= {str, int}:
-            seqs = [store._seqs.find(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
+            seqs = [known.find(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
         else:
             seqs = cast("list[Sequence]", found)
         members = frozenset(seqs)
         lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
         npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
+        rows = np.arange(len(seqs))
     else:  # the same batch as the last step, and no block table changed since
-        seqs, members, lengths, npages = batch.seqs, batch.members, batch.lengths, batch.npages
-    store._seqs.check_idle(members)
-    count = len(seqs)
-    counts = np.asarray(step.new_tokens, np.int64)
-    new_npages = -(-(lengths + counts) // page_size)
-    new_pages = int((new_npages - npages).sum())
-    tables, reused = _tables(store, step, seqs, npages, int(new_npages.max()), batch, new_pages)
-    rows = np.arange(count)
-    last_slots = tables[rows, np.maximum(npages - 1, 0)]
-    last_pids = np.where(npages > 0, mgr.slot_pid[last_slots], -1)
-    partial = (lengths % page_size != 0) & (counts > 0)
+        seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
+    known.check_idle(members)
+    decode = step.decode
+    counts = rows * 0 + 1 if decode else np.asarray(step.new_tokens, np.int64)
+    after = lengths + counts
+    new_npages = (after + (page_size - 1)) // page_size
+    width = int(new_npages.max())
+    growing = new_npages > npages
+    new_pages = int(np.count_nonzero(growing)) if decode else int((new_npages - npages).sum())
+    tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
+    last_pids = np.where(npages > 0, mgr.slot_pid[tables[rows, np.maximum(npages - 1, 0)]], -1)
+    offsets = lengths % page_size
+    partial = offsets != 0 if decode else (offsets != 0) & (counts > 0)
     cow = partial & (mgr.ref[last_pids] > 1)
+    copies = int(np.count_nonzero(cow))
     held = tables[tables >= 0]
     if reused:
         mgr.stats.add("resident_hits", len(held))
-    needed = len(held) + new_pages + int(cow.sum())
+    needed = len(held) + new_pages + copies
     if needed > mgr.available():
         needed = pages_needed(store, seqs, step.new_tokens)
         if needed > mgr.available():
             raise PoolExhausted(
                 f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    step._pins = np.bincount(held, minlength=mgr.pool_pages).astype(np.int32)
-    mgr.pins += step._pins
+    np.add.at(mgr.pins, held, 1)
+    step._held = held
     step._seqs = seqs
-    grows = np.flatnonzero((new_npages > npages) | cow)
+    grows = np.flatnonzero(growing | cow if copies else growing)
     last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
-        if len(grows) and not step.token_ids:
+        if len(grows) and (not step.token_ids or step.ordered_ids is not None):
             # Rows that start exactly one fresh page (decode crossing a page boundary)
             # get their pages in one batch; the others go page by page.
-            fresh = (lengths[grows] % page_size == 0) & (new_npages[grows] == npages[grows] + 1)
+            fresh = (offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)
             _fresh_pages(store, step, seqs, grows[fresh], counts, npages, tables)
             grows = grows[~fresh]
         for row in grows.tolist():
             _grow(store, step, seqs[row], step.new_tokens[row], tables[row])
-        inplace = np.flatnonzero(partial & ~cow & (new_npages == npages))
+        inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else partial)
         if len(inplace):
             pids = last_pids[inplace]
             fills = last_fill[inplace] + counts[inplace]
@@ -209,23 +228,22 @@ def begin(store: StoreCore, step: Step) -> None:
             else:
                 mgr.mark_written_many(pids, fills)
             if step.token_ids or mgr.tokens_seen:
-                _inplace_tokens(store, step, seqs, inplace, pids, lengths % page_size)
+                _inplace_tokens(store, step, seqs, inplace, pids, offsets)
     except BaseException:
         end(store, step, ok=False)
         raise
-    after = lengths + counts
     for seq, length in zip(seqs, after.tolist()):
         seq.length = length
     step.members = members
-    store._seqs.busy[id(step)] = step
+    known.busy[id(step)] = step
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
-    if counts.all():
-        store._seqs.dirty.update(by_key)
+    if decode or counts.all():
+        known.dirty.update(by_key)
     else:
-        store._seqs.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
-    store._seqs.batch = _Batch(step.seq_ids, seqs, tables, store._seqs.epoch, mgr.evict_epoch,
-                          after, new_npages, members, by_key)
-    _outputs(store, step, tables, lengths, counts, new_npages, held)
+        known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
+    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
+                         after, new_npages, members, by_key, rows)
+    _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
 
 
 def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarray,
@@ -259,14 +277,19 @@ def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarr
 
 def _fresh_pages(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                  counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> None:
-    """One new page for each of ``rows``, holding its new tokens, in one batch (no token ids)."""
+    """One new page for each of ``rows``, holding its new tokens, in one batch.
+
+    With token ids, each row has one new token (``Step.ordered_ids``).
+    """
     if not len(rows):
         return
     mgr = store._mgr
     pids = mgr.new_pages(counts[rows])
+    if step.ordered_ids is not None:
+        mgr.start_tokens(pids, step.ordered_ids[rows])
     slots = mgr.slot[pids]
-    mgr.pins[slots] += 1
-    step._pins[slots] += 1
+    mgr.pins[slots] += 1  # new pages: distinct slots
+    step._extra.extend(slots.tolist())
     tables[rows, npages[rows]] = slots
     for row, pid in zip(rows.tolist(), pids.tolist()):
         seqs[row].push(pid)
@@ -303,34 +326,47 @@ def _grow(store: StoreCore, step: Step, seq: Sequence, count: int, row: np.ndarr
 
 def _pin(mgr: Any, step: Step, slot: int) -> None:
     mgr.pins[slot] += 1
-    step._pins[slot] += 1
+    step._extra.append(slot)
 
 
 def _inplace_tokens(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
                     pids: np.ndarray, offsets: np.ndarray) -> None:
-    """Token ids of tokens written into existing last pages (only where ids are involved)."""
+    """Token ids of tokens written into existing last pages (only where ids are involved).
+
+    One token per row into a page whose earlier ids are in memory (a decode step)
+    is one indexed write for all such rows; the rest go page by page.
+    """
     mgr = store._mgr
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
-    for index in np.flatnonzero(with_ids | bool(step.token_ids)).tolist():
+    todo = np.flatnonzero(with_ids | bool(step.token_ids))
+    if step.ordered_ids is not None and len(todo):
+        slab_rows = mgr.page_tokens.rows(pids[todo].tolist())
+        at = offsets[rows[todo]]
+        fast = (slab_rows >= 0) & with_ids[todo]
+        fast[fast] = mgr.page_tokens.lens[slab_rows[fast]] == at[fast]
+        if fast.any():
+            mgr.page_tokens.write_one_each(slab_rows[fast], at[fast], step.ordered_ids[rows[todo[fast]]])
+            todo = todo[~fast]
+    for index in todo.tolist():
         seq_id = seqs[int(rows[index])].seq_id
         write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
 
 
 def _outputs(store: StoreCore, step: Step, tables: np.ndarray, lengths: np.ndarray,
-             counts: np.ndarray, new_npages: np.ndarray, held: np.ndarray) -> None:
+             counts: np.ndarray, after: np.ndarray, offsets: np.ndarray, width: int,
+             held: np.ndarray, rows: np.ndarray) -> None:
     mgr, page_size = store._mgr, store.geometry.page_size
-    width = int(new_npages.max())
     step.block_tables = tables[:, :width].copy()  # the batch cache keeps mutating ``tables``
-    total = int(counts.sum())
-    if total == len(counts) and counts.max() == 1:  # decode: one token each
-        positions = lengths
-        page_slots = tables[np.arange(len(counts)), positions // page_size]
+    if step.decode:  # one token each: at each row's length
+        positions, token_rows, within = lengths, rows, offsets
     else:
-        token_rows = np.repeat(np.arange(len(counts)), counts)
+        total = int(counts.sum())
+        token_rows = np.repeat(rows, counts)
         positions = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + lengths[token_rows]
-        page_slots = tables[token_rows, positions // page_size]
-    step.slot_mapping = page_slots.astype(np.int64) * page_size + positions % page_size
-    step.seq_lens = (lengths + counts).astype(np.int32)
+        within = positions % page_size
+    page_slots = tables[token_rows, positions // page_size]
+    step.slot_mapping = page_slots.astype(np.int64) * page_size + within
+    step.seq_lens = after.astype(np.int32)
     mgr.touch(held)  # the step's new pages were stamped as they were placed
 
 
@@ -340,20 +376,23 @@ def end(store: StoreCore, step: Step, ok: bool) -> None:
     try:
         if step._undo:
             lengths, npages, last_pids, last_fill = step._undo
-            changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist() \
-                if not ok or step.token_ids else []
             if not ok:
+                changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist()
                 for row in reversed(changed):
                     store._seqs.epoch += 1
                     datapath.truncate(store, step._seqs[row], int(lengths[row]), int(npages[row]),
                                       int(last_pids[row]), int(last_fill[row]))
             elif step.token_ids:
                 # Pages are hashed (and so shareable) only once the engine wrote their K/V.
-                for row in changed:
+                after = lengths + np.asarray(step.new_tokens, np.int64)
+                for row in np.flatnonzero(after // page_size > lengths // page_size).tolist():
                     seq = step._seqs[row]
                     for index in range(int(lengths[row]) // page_size, seq.length // page_size):
                         seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
     finally:
-        mgr.pins -= step._pins
-        step._pins = np.zeros(0, np.int32)
+        if len(step._held):
+            np.subtract.at(mgr.pins, step._held, 1)
+        if step._extra:
+            mgr.pins[step._extra] -= 1  # distinct: new pages and copies
+        step._held, step._extra = _NONE, []
         store._seqs.busy.pop(id(step), None)

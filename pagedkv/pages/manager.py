@@ -58,11 +58,15 @@ class BlockManager(PageTable):
         self.csum_ok[pids] = False
         self.chg[pids] = True
         self.dirty_slot[slots] = True
-        if self.page_tokens:
-            for pid in pids.tolist():
-                self.page_tokens.pop(pid, None)
+        self.page_tokens.drop_many(pids.tolist())
         self.stats.add("pages_allocated", count)
         return pids
+
+    def start_tokens(self, pids: np.ndarray, ids: np.ndarray) -> None:
+        """The first token id of each of ``pids`` (new pages holding one token each)."""
+        self.page_tokens.start_one_each(pids.tolist(), ids)
+        self.flags[pids] |= HAS_TOKENS
+        self.tokens_seen = True
 
     def copy_page(self, src: int) -> int:
         """Copy-on-write: a new private page holding ``src``'s tokens."""
@@ -79,7 +83,7 @@ class BlockManager(PageTable):
             self.flags[dst] |= HAS_TOKENS
             tokens = self.page_tokens_of(src)
             if tokens is not None:  # always, for a page whose ids are known
-                self.page_tokens[dst] = tokens
+                self.page_tokens.set(dst, tokens)
         self.stats.add("cow_copies")
         return dst
 
@@ -108,7 +112,7 @@ class BlockManager(PageTable):
             if self.slot_cpid[slot] < 0 and self.bg_pins[slot] == 0:
                 self.free_slots.append(slot)
         self.chg[pid] = False
-        self.page_tokens.pop(pid, None)
+        self.page_tokens.drop(pid)
         if self.c_where[pid] != NOWHERE:
             self.zombies.append(pid)  # the commit that forgets it also frees its row
             self.live[pid] = False

@@ -103,9 +103,10 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
                                            mgr.seed)))
     token_keys, token_bodies = [], []
     for pid in pids[(mgr.flags[pids] & HAS_TOKENS) != 0].tolist():
-        if pid in mgr.page_tokens:
+        held = mgr.page_tokens.get(pid)
+        if held is not None:
             token_keys.append(uid_key(int(mgr.uid[pid])))
-            token_bodies.append(mgr.page_tokens[pid].tobytes())
+            token_bodies.append(held.tobytes())
     token_puts = list(zip(token_keys, seal_many(TAG_TOKENS, token_keys, token_bodies, mgr.seed)))
     lost = pids[((mgr.c_flags[pids] & HAS_TOKENS) != 0) & ((mgr.flags[pids] & HAS_TOKENS) == 0)]
     token_deletes = uid_keys(mgr.uid[lost])  # ids no longer known: their stored list is stale
@@ -165,8 +166,7 @@ def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.n
     resident = where >= 0
     mgr.slot_cpid[where[resident]] = pids[resident]
     if mgr.page_tokens:  # token ids of full pages now live in the tokens table
-        for pid in pids[mgr.fill[pids] == mgr.geom.page_size].tolist():
-            mgr.page_tokens.pop(pid, None)
+        mgr.page_tokens.drop_many(pids[mgr.fill[pids] == mgr.geom.page_size].tolist())
     mgr.c_where[zombies] = NOWHERE
     for pid in zombies.tolist():
         mgr._recycle(pid)

@@ -10,7 +10,8 @@ the page it follows, so a hash collision can never serve another prompt's KV.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from itertools import accumulate, chain
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import xxhash
@@ -18,9 +19,9 @@ import xxhash
 from ..errors import PagedKVError
 from .rowindex import RowIndex
 from .directory import HAS_TOKENS, HASHED
+from .tokens import TOKEN_DTYPE
 
 ROOT = bytes(16)  # parent hash of a sequence's first page
-TOKEN_DTYPE = np.dtype("<u4")
 # (token ids, locally matched page rows, most pages) -> those rows and the cache pages placed after them
 Extend = Callable[[np.ndarray, list[int], int], list[int]]
 
@@ -52,6 +53,35 @@ def as_token_ids(tokens: Any, count: int | None = None) -> np.ndarray:
     if count is not None and len(arr) != count:
         raise PagedKVError(f"{len(arr)} token ids given for {count} tokens")
     return arr.astype(TOKEN_DTYPE)
+
+
+def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tuple[dict[Any, np.ndarray], np.ndarray]:
+    """Validate the token ids of many sequences at once (``as_token_ids``'s rules).
+
+    ``tokens`` maps sequences to their new tokens' ids, ``counts`` says how many
+    each must have. Returns the ids per sequence (uint32 views) and all of them
+    concatenated in ``tokens``' order. One numpy pass checks them all: a decode
+    step gives one id for each of hundreds of sequences.
+    """
+    values = list(tokens.values())
+    try:
+        lengths = list(map(len, values))
+        flat = np.array(list(chain.from_iterable(values)))
+    except (TypeError, ValueError):
+        raise PagedKVError("tokens must be a 1-D sequence of ints for each sequence") from None
+    if flat.ndim != 1:
+        raise PagedKVError("tokens must be 1-D sequences of ints (nested sequences given)")
+    if flat.size and flat.dtype.kind not in "iu":
+        raise PagedKVError(f"tokens must be 1-D sequences of ints, got {flat.dtype} values")
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= 1 << 32):
+        raise PagedKVError("token ids must be in [0, 2**32)")
+    wanted = [int(counts[key]) for key in tokens]
+    if lengths != wanted:
+        got, want = next((got, want) for got, want in zip(lengths, wanted) if got != want)
+        raise PagedKVError(f"{got} token ids given for {want} tokens")
+    flat = flat.astype(TOKEN_DTYPE)
+    ends = list(accumulate(lengths))
+    return {key: flat[end - size:end] for key, end, size in zip(tokens, ends, lengths)}, flat
 
 
 class PrefixIndex:
@@ -174,10 +204,12 @@ def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) 
     previous = mgr.page_tokens_of(pid) if offset and known else None
     if token_ids is None or not known or (offset and (previous is None or len(previous) < offset)):
         mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
-        mgr.page_tokens.pop(pid, None)
+        mgr.page_tokens.drop(pid)
         return
-    head = previous[:offset] if previous is not None else np.empty(0, TOKEN_DTYPE)
-    mgr.page_tokens[pid] = np.concatenate([head, token_ids])
+    if offset and pid in mgr.page_tokens:
+        mgr.page_tokens.write(pid, offset, token_ids)
+    else:  # the first ids of a page, or those of a committed partial page, loaded just above
+        mgr.page_tokens.set(pid, token_ids if previous is None else np.concatenate([previous[:offset], token_ids]))
     mgr.flags[pid] |= HAS_TOKENS
     mgr.tokens_seen = True
 

@@ -29,6 +29,7 @@ from ..storage.pool import PagePool
 from ..storage.spill import SpillStore, uid_key
 from .directory import CODEC_SHIFT, HAS_TOKENS, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, Directory
 from .prefix import PrefixIndex
+from .tokens import PageTokens
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class PageTable(Directory):
         self.zombies: list[int] = []  # rows of freed pages the last commit still records (freed by the next)
         self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
         self.prefix = PrefixIndex(salt, geom.page_size)  # hashed pages by chained hash
-        self.page_tokens: dict[int, np.ndarray] = {}  # token ids not yet committed (or partial)
+        self.page_tokens = PageTokens(geom.page_size)  # token ids not yet committed (or partial)
         self.tokens_seen = False  # whether any page was ever given token ids (HAS_TOKENS)
         self.spill_bytes = 0  # bytes of page records in LMDB
         self.spill_limit = spill_limit  # cap on spill_bytes (None: none)
@@ -150,7 +151,7 @@ class PageTable(Directory):
             self.slot[pid] = -1
         self.spill_bytes -= int(self.rec_bytes[pid])
         self.chg[pid] = False
-        self.page_tokens.pop(pid, None)
+        self.page_tokens.drop(pid)
         self._recycle(pid)
 
     def page_tokens_of(self, pid: int) -> np.ndarray | None:

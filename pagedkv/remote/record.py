@@ -27,7 +27,8 @@ import xxhash
 
 from ..errors import PageCorrupt
 from ..geometry import Geometry
-from ..pages.prefix import ROOT, TOKEN_DTYPE, chain_hash
+from ..pages.prefix import ROOT, chain_hash
+from ..pages.tokens import TOKEN_DTYPE
 from ..storage.codec import decode_record, encode_spill, page_checksum
 
 MAGIC = b"PKVR"

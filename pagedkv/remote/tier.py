@@ -23,7 +23,8 @@ from ..core import StoreCore
 from ..errors import PageCorrupt, PagedKVError, PoolExhausted
 from ..geometry import Geometry
 from ..pages.directory import HASHED, NOWHERE
-from ..pages.prefix import ROOT, TOKEN_DTYPE, chain_hash, seal, write_tokens
+from ..pages.prefix import ROOT, chain_hash, seal, write_tokens
+from ..pages.tokens import TOKEN_DTYPE
 from ..pages.restore import fetch_record
 from . import record
 from .client import FETCH, PUBLISH, RemoteClient
@@ -96,7 +97,7 @@ class RemoteTier:
         digest = chain_hash(up, self.salt, token_ids)
         self._remember(pid, digest)
         if self.config.publish:
-            self._sealed.append((pid, int(mgr.uid[pid]), digest, up, token_ids))
+            self._sealed.append((pid, int(mgr.uid[pid]), digest, up, token_ids.copy()))  # a view of memory the page table reuses
 
     def _rechain(self, pid: int) -> bytes | None:
         """The remote hash of a page sealed before this session, from a sequence that holds it."""

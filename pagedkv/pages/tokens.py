@@ -1,0 +1,105 @@
+"""Token ids a page holds that the committed tokens table does not: written since the last
+commit, or of a partial page.
+
+A decode step writes one token id into each of hundreds of pages. Kept as one numpy
+array per page, every such write allocated a new array; here every page with ids in
+memory owns a row of one slab (``page_size`` uint32 ids and a length), so a step writes
+all its rows' ids with one indexed assignment. ``PageTokens`` is the only owner of that
+memory; the page's ``HAS_TOKENS`` flag (every id of ``[0, fill)`` known, here or in the
+tokens table) stays the directory's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+TOKEN_DTYPE = np.dtype("<u4")
+_MIN_ROWS = 64
+
+
+class PageTokens:
+    """page row -> the token ids held in memory for it (``[0, length)`` of its page)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.slab: NDArray[np.uint32] = np.empty((0, page_size), TOKEN_DTYPE)
+        self.lens: NDArray[np.int32] = np.empty(0, np.int32)
+        self.row_of: dict[int, int] = {}  # page row (pid) -> slab row
+        self._spare: list[int] = []  # slab rows no page holds
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self.row_of
+
+    def pids(self) -> list[int]:
+        """Every page row with ids in memory."""
+        return list(self.row_of)
+
+    def get(self, pid: int) -> NDArray[np.uint32] | None:
+        """The ids held for ``pid`` (a view, valid until the page's ids next change), or None."""
+        row = self.row_of.get(pid)
+        return None if row is None else self.slab[row, :self.lens[row]]
+
+    def set(self, pid: int, ids: NDArray[np.uint32]) -> None:
+        """Hold exactly ``ids`` (at most a page of them) for ``pid``."""
+        row = self.row_of.get(pid)
+        if row is None:
+            row = self._take(pid)
+        self.slab[row, :len(ids)] = ids
+        self.lens[row] = len(ids)
+
+    def write(self, pid: int, offset: int, ids: NDArray[np.uint32]) -> None:
+        """Write ``ids`` at ``offset`` of ``pid``'s held ids (which hold at least ``offset``)."""
+        row = self.row_of[pid]
+        self.slab[row, offset:offset + len(ids)] = ids
+        self.lens[row] = offset + len(ids)
+
+    def rows(self, pids: list[int]) -> NDArray[np.int64]:
+        """Slab rows of ``pids`` (-1 for a page with no ids in memory)."""
+        get = self.row_of.get
+        return np.fromiter((get(pid, -1) for pid in pids), np.int64, len(pids))
+
+    def write_one_each(self, rows: NDArray[np.int64], offsets: NDArray[np.int64],
+                       ids: NDArray[np.uint32]) -> None:
+        """Write one id per slab row (``rows`` from ``rows()``, all held, distinct) at ``offsets``."""
+        self.slab[rows, offsets] = ids
+        self.lens[rows] = offsets + 1
+
+    def start_one_each(self, pids: list[int], ids: NDArray[np.uint32]) -> None:
+        """Hold one id, ``ids[i]``, for each of ``pids`` (pages holding no ids in memory)."""
+        rows = np.fromiter((self._take(pid) for pid in pids), np.int64, len(pids))
+        self.slab[rows, 0] = ids
+        self.lens[rows] = 1
+
+    def cut(self, pid: int, keep: int) -> None:
+        """Keep only the first ``keep`` held ids of ``pid`` (it holds at least that many)."""
+        self.lens[self.row_of[pid]] = keep
+
+    def drop(self, pid: int) -> None:
+        """Forget ``pid``'s ids (nothing if none are held)."""
+        row = self.row_of.pop(pid, None)
+        if row is not None:
+            self._spare.append(row)
+
+    def drop_many(self, pids: list[int]) -> None:
+        """``drop`` for each of ``pids``."""
+        if self.row_of:
+            for pid in pids:
+                self.drop(pid)
+
+    def _take(self, pid: int) -> int:
+        if not self._spare:
+            old = len(self.lens)
+            size = max(_MIN_ROWS, 2 * old)
+            slab = np.empty((size, self.page_size), TOKEN_DTYPE)
+            slab[:old] = self.slab
+            lens = np.zeros(size, np.int32)
+            lens[:old] = self.lens
+            self.slab, self.lens = slab, lens
+            self._spare.extend(range(size - 1, old - 1, -1))
+        row = self._spare.pop()
+        self.row_of[pid] = row
+        return row
