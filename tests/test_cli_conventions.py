@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv.cli import commands as cli_mod, text as clitext
+from pagedkv.cli import options as cli_mod, text as clitext
 from pagedkv.inspection import report as inspector
 from pagedkv.cli.commands import cli
 from pagedkv.demo.kvgen import token_kv
