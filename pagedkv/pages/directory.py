@@ -102,11 +102,14 @@ class Directory:
     hash: Column[np.void] = Column(np.dtype("V16"), b"", "chained content hash of a full page whose "
                                    "token ids are known: the prefix index's key", sparse=True)
     ref = Column(np.int32, 0, "references from live block tables (0: a cache-only page)")
-    c_ref = Column(np.int32, 0, "references from committed block tables")
+    c_ref = Column(np.int32, 0, "references from committed block tables; a commit copies ref "
+                                "only where it moved (rows in PageTable.refs_moved)")
     pstamp = Column(np.int64, 0, "the LRU stamp the page's slot had when it went to the spill "
                                  "store: its last use while not resident")
     rec_bytes = Column(np.int32, 0, "bytes of the page's spill record in LMDB (0: none)")
-    chg = Column(np.bool_, False, "the next commit rewrites this page's directory entry")
+    chg = Column(np.bool_, False, "the next commit rewrites this page's directory entry; set "
+                                  "only through PageTable.note_changed*, which also note the "
+                                  "row in PageTable.changed: the commit visits those rows alone")
     codec = Column(np.uint8, 0, "index into storage.codecs.CODECS of the page's spill record")
     parent = Column(np.uint64, 0, "chain class of the page a hashed page follows (0: first page)",
                     sparse=True)

@@ -34,6 +34,7 @@ class BlockManager(PageTable):
         pid = self._new_pid(self.next_uid)
         self.next_uid += 1
         self.ref[pid] = 1
+        self.refs_moved.add(pid)
         self._place(pid, slot)
         self.mark_written(pid, 0)
         self.stats.add("pages_allocated")
@@ -49,6 +50,7 @@ class BlockManager(PageTable):
         slots = np.array(self.take_slots(count), np.int64)
         pids = self._new_pids(count)
         self.ref[pids] = 1
+        self.note_refs(pids)
         self.slot[pids] = slots
         self.slot_pid[slots] = pids
         self.tick += 1
@@ -56,7 +58,7 @@ class BlockManager(PageTable):
         self.fill[pids] = fills
         self.gen[pids] = 1
         self.csum_ok[pids] = False
-        self.chg[pids] = True
+        self.note_changed_many(pids)
         self.dirty_slot[slots] = True
         self.page_tokens.drop_many(pids.tolist())
         self.stats.add("pages_allocated", count)
@@ -90,10 +92,12 @@ class BlockManager(PageTable):
     def incref(self, pids: np.ndarray) -> None:
         """One more reference to each of ``pids`` (duplicates count)."""
         np.add.at(self.ref, pids, 1)
+        self.note_refs(pids)
 
     def decref(self, pids: np.ndarray) -> None:
         """Drop a reference to each of ``pids``; pages reaching zero are freed."""
         np.subtract.at(self.ref, pids, 1)
+        self.note_refs(pids)
         for pid in np.unique(pids[self.ref[pids] <= 0]).tolist():
             self._free(pid)
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
 from .. import faults
 from ..storage.codec import FORMAT_VERSION, unpack_bounded
 from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, SPILLED
 from ..errors import FormatVersionError, StoreCorrupt
 from ..geometry import Geometry
+from .entries import GATHER_BYTES, dir_entries, pack_tables
+from .entries import refresh_checksums as _refresh_checksums
 from .manager import BlockManager
 from ..storage.metarecord import (DIR_DTYPE, DIR_DTYPE_V1, SUPERBLOCK_SEED, TAG_DIR, TAG_META, TAG_SEQS,
                                   TAG_TOKENS, TRAILER, seal, seal_many, sealed_ok, unseal)
@@ -33,8 +34,7 @@ SEALED_FORMAT = 2  # the first format whose metadata records carry checksums
 _FLAG_BITS = HASHED | HAS_TOKENS | 3 << CODEC_SHIFT
 _META_KEYS = {b"superblock", b"state", b"lru", b"counts"}
 _COUNTS = struct.Struct("<3Q")  # records in dir, seqs and tokens after the last write transaction
-_IDENT_DTYPE = np.dtype([("uid", "<u8"), ("fill", "<u4")])  # what page_checksum hashes first
-_GATHER_BYTES = 16 << 20  # partial-page bytes copied per checksum batch: bounded for big pages
+_GATHER_BYTES = GATHER_BYTES  # bytes copied per checksum batch (tests make it small)
 
 
 def write_superblock(spill: SpillStore, fields: dict[str, Any]) -> None:
@@ -88,19 +88,16 @@ def read_superblock(spill: SpillStore) -> dict[str, Any]:
 
 def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
            state: dict[str, Any], durable: bool) -> None:
-    """Make the current state the committed one, in write-ahead order."""
-    pids = np.flatnonzero(mgr.chg & mgr.live)
+    """Make the current state the committed one, in write-ahead order.
+
+    Costs what changed since the last commit, not the size of the directory: the
+    rows visited are those the page table noted (``PageTable.changed``,
+    ``refs_moved``), filtered by the columns that stay the authority.
+    """
+    noted = mgr.changed.rows()
+    pids = noted[mgr.chg[noted] & mgr.live[noted]]
     refresh_checksums(mgr, pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]])
-    where = np.where(mgr.slot[pids] >= 0, mgr.slot[pids], SPILLED).astype(np.int32)
-    rows = np.zeros(len(pids), _DIR_DTYPE)
-    rows["where"], rows["fill"], rows["csum"] = where, mgr.fill[pids], mgr.csum[pids]
-    rows["flags"] = mgr.flags[pids].astype(np.uint32) | mgr.codec[pids].astype(np.uint32) << CODEC_SHIFT
-    rows["hash"], rows["parent"], rows["chain"] = mgr.hash[pids], mgr.parent[pids], mgr.chain[pids]
-    blob, size = rows.tobytes(), _DIR_DTYPE.itemsize
-    dir_keys = uid_keys(mgr.uid[pids])
-    entries = list(zip(dir_keys, seal_many(TAG_DIR, dir_keys, [blob[row:row + size]
-                                                               for row in range(0, len(blob), size)],
-                                           mgr.seed)))
+    entries, where = dir_entries(mgr, pids)
     token_keys, token_bodies = [], []
     for pid in pids[(mgr.flags[pids] & HAS_TOKENS) != 0].tolist():
         held = mgr.page_tokens.get(pid)
@@ -145,14 +142,19 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
 
     spill.write(body, "commit")
     faults.crashpoint("commit.after_commit")
-    _apply(mgr, pids, where, zombies, gone)
+    _apply(mgr, noted, pids, where, zombies, gone)
     dirty.clear()
     dropped.clear()
 
 
-def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.ndarray,
+def _apply(mgr: BlockManager, noted: np.ndarray, pids: np.ndarray, where: np.ndarray, zombies: np.ndarray,
            gone: np.ndarray) -> None:
-    """Update the in-memory committed view after a commit returned."""
+    """Update the in-memory committed view after a commit returned.
+
+    ``noted`` are the rows noted changed (``pids`` those of them written). Slots
+    whose committed page moved away join the free list here; every other slot's
+    standing is unchanged by a commit, so the list need not be rebuilt.
+    """
     mgr.spill_bytes -= int(mgr.rec_bytes[gone].sum()) + sum(nbytes for _, nbytes in mgr.doomed)
     mgr.rec_bytes[gone] = 0
     mgr.rec[gone] = REC_NONE
@@ -170,87 +172,21 @@ def _apply(mgr: BlockManager, pids: np.ndarray, where: np.ndarray, zombies: np.n
     mgr.c_where[zombies] = NOWHERE
     for pid in zombies.tolist():
         mgr._recycle(pid)
-    mgr.c_ref[:] = mgr.ref
-    mgr.free_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0)
-                                    & (mgr.bg_pins == 0))[::-1].tolist()
-    mgr.chg[:] = False
+    moved_refs = mgr.refs_moved.rows()
+    mgr.c_ref[moved_refs] = mgr.ref[moved_refs]
+    freed = clear[(mgr.slot_pid[clear] < 0) & (mgr.slot_cpid[clear] < 0) & (mgr.bg_pins[clear] == 0)]
+    mgr.free_slots.extend(freed.tolist())
+    mgr.chg[noted] = False
+    mgr.changed.clear()
+    mgr.refs_moved.clear()
     mgr.dirty_slot[:] = False
     mgr.zombies = []
     mgr.doomed = []
 
 
-def pack_tables(mgr: BlockManager, seqs: list[Sequence]) -> list[bytes]:
-    """The block-table values of ``seqs``: [seq id, length, uids as little-endian u64] each.
-
-    One uid gather for all tables, then one msgpack call per sequence: a decode
-    step dirties every running sequence, so per-table numpy calls would dominate.
-    """
-    if not seqs:
-        return []
-    uids = mgr.uid[np.concatenate([seq.pids[:seq.npages] for seq in seqs])].astype("<u8").tobytes()
-    pack = msgpack.Packer().pack  # packb's defaults, without a Packer per call
-    values, low = [], 0
-    for seq in seqs:
-        high = low + 8 * seq.npages
-        values.append(pack([seq.seq_id, seq.length, uids[low:high]]))
-        low = high
-    return values
-
-
 def refresh_checksums(mgr: BlockManager, pids: np.ndarray) -> None:
-    """Recompute the checksums of resident pages ``pids`` (``codec.page_checksum``, batched).
-
-    Full pages are hashed in place. The first ``fill`` tokens of a partial page are
-    strided across layers, so the token rows of many pages are gathered with one
-    ``np.take`` per batch of about ``_GATHER_BYTES``; each page is then hashed as
-    ``page_checksum`` does: its identity, then its bytes.
-    """
-    if not len(pids):
-        return
-    geom, seed = mgr.geom, mgr.seed
-    page_size, planes = geom.page_size, 2 * geom.layers  # a page is (planes, page_size, token row)
-    row_nbytes = geom.page_nbytes // (planes * page_size)
-    rows = mgr.pool.view(np.uint8).reshape(-1, row_nbytes)  # one row per (slot, plane, token)
-    slots, fills = mgr.slot[pids].astype(np.int64), mgr.fill[pids].astype(np.int64)
-    idents = np.empty(len(pids), _IDENT_DTYPE)
-    idents["uid"], idents["fill"] = mgr.uid[pids], fills
-    ident, size = idents.tobytes(), _IDENT_DTYPE.itemsize
-    csums = np.empty(len(pids), np.uint64)
-    full = fills == page_size
-    if full.any():
-        whole, nbytes = np.flatnonzero(full), geom.page_nbytes
-        with rows.data.cast("B") as pool_bytes:
-            values = []
-            for at, first in zip((whole * size).tolist(), (slots[whole] * nbytes).tolist()):
-                hasher = xxhash.xxh3_64(ident[at:at + size], seed)
-                hasher.update(pool_bytes[first:first + nbytes])
-                values.append(hasher.intdigest())
-        csums[whole] = values
-    part = np.flatnonzero(~full)
-    if len(part):
-        ends = np.cumsum(fills[part]) * (planes * row_nbytes)
-        batches = [part]
-        if ends[-1] > _GATHER_BYTES:
-            batches = np.split(part, np.searchsorted(ends, np.arange(_GATHER_BYTES, ends[-1], _GATHER_BYTES)))
-        for batch in batches:
-            if not len(batch):
-                continue
-            # Runs of fill rows, one per (page, plane), laid end to end in page order.
-            lengths = np.repeat(fills[batch], planes)
-            starts = ((slots[batch, None] * planes + np.arange(planes)) * page_size).ravel()
-            stops = np.cumsum(lengths)
-            taken = np.arange(int(stops[-1])) + np.repeat(starts - (stops - lengths), lengths)
-            data = memoryview(np.take(rows, taken, axis=0)).cast("B")
-            highs = (np.cumsum(fills[batch]) * (planes * row_nbytes)).tolist()
-            values, low = [], 0
-            for at, high in zip((batch * size).tolist(), highs):
-                hasher = xxhash.xxh3_64(ident[at:at + size], seed)
-                hasher.update(data[low:high])
-                values.append(hasher.intdigest())
-                low = high
-            csums[batch] = values
-    mgr.csum[pids] = csums
-    mgr.csum_ok[pids] = True
+    """Recompute the checksums of resident pages ``pids`` (``entries.refresh_checksums``, batches of ``_GATHER_BYTES``)."""
+    _refresh_checksums(mgr, pids, _GATHER_BYTES)
 
 
 def load(mgr: BlockManager, writer: bool,

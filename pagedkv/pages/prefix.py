@@ -238,7 +238,7 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     mgr.parent[pid] = parent_class
     mgr.chain[pid] = chain
     mgr.flags[pid] |= HASHED
-    mgr.chg[pid] = True
+    mgr.note_changed(pid)
     mgr.prefix.add(digest, pid, mgr.hash)
     if mgr.on_seal is not None:
         mgr.on_seal(pid, parent)

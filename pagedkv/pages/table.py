@@ -28,6 +28,7 @@ from ..storage.metarecord import TAG_TOKENS, dir_value, unseal
 from ..storage.pool import PagePool
 from ..storage.spill import SpillStore, uid_key
 from .directory import CODEC_SHIFT, HAS_TOKENS, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, Directory
+from .pending import PendingRows
 from .prefix import PrefixIndex
 from .tokens import PageTokens
 
@@ -63,6 +64,10 @@ class PageTable(Directory):
         self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
         self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))  # taken from the end
         self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
+        # Rows the next commit visits, so that it costs what changed rather than the directory:
+        # every row set in chg is noted in `changed`, every row whose ref moved in `refs_moved`.
+        self.changed = PendingRows(lambda rows: rows[self.chg[rows]])
+        self.refs_moved = PendingRows(lambda rows: rows[self.ref[rows] != self.c_ref[rows]])
         self.evict_epoch = 0  # bumped whenever resident pages leave the pool
         self.zombies: list[int] = []  # rows of freed pages the last commit still records (freed by the next)
         self.doomed: list[tuple[int, int]] = []  # (uid, bytes) of uncommitted records to delete
@@ -87,7 +92,7 @@ class PageTable(Directory):
         self.slot_pid[slot] = pid
         self.tick += 1
         self.stamp[slot] = self.tick
-        self.chg[pid] = True
+        self.note_changed(pid)
         self.dirty_slot[slot] = True
 
     def mark_written(self, pid: int, fill: int) -> None:
@@ -97,7 +102,7 @@ class PageTable(Directory):
         self.csum_ok[pid] = False
         if self.rec[pid] == REC_CURRENT:
             self.rec[pid] = REC_STALE
-        self.chg[pid] = True
+        self.note_changed(pid)
         self.dirty_slot[self.slot[pid]] = True
 
     def mark_written_many(self, pids: np.ndarray, fills: np.ndarray) -> None:
@@ -107,8 +112,22 @@ class PageTable(Directory):
         self.csum_ok[pids] = False
         rec = self.rec[pids]
         self.rec[pids] = np.where(rec == REC_CURRENT, REC_STALE, rec)
-        self.chg[pids] = True
+        self.note_changed_many(pids)
         self.dirty_slot[self.slot[pids]] = True
+
+    def note_changed(self, pid: int) -> None:
+        """Have the next commit rewrite ``pid``'s directory entry."""
+        self.chg[pid] = True
+        self.changed.add(pid)
+
+    def note_changed_many(self, pids: np.ndarray) -> None:
+        """``note_changed`` for each row of ``pids``."""
+        self.chg[pids] = True
+        self.changed.add_many(pids)
+
+    def note_refs(self, pids: np.ndarray) -> None:
+        """Record that the refcounts of ``pids`` moved (the next commit copies them to ``c_ref``)."""
+        self.refs_moved.add_many(pids)
 
     # -- residency -----------------------------------------------------------
     def touch(self, slots: np.ndarray) -> None:
