@@ -9,6 +9,7 @@ page of the batch has moved and no block table has changed since.
 from __future__ import annotations
 
 import threading
+from collections import abc
 from typing import Any, Mapping, cast
 
 import numpy as np
@@ -17,9 +18,9 @@ from . import datapath, faults
 from .core import StoreCore, _op
 from .datapath import cow_last
 from .errors import PagedKVError, PoolExhausted
-from .pages.prefix import seal, step_token_ids, write_tokens
+from .pages.prefix import seal, split_ids, step_token_ids, write_tokens
 from .pages.sequence import PerSequence, SeqId, Sequence
-from .pages.directory import HAS_TOKENS
+from .pages.directory import HAS_TOKENS, ONE
 
 
 class Step:
@@ -38,18 +39,22 @@ class Step:
                  tokens: PerSequence[Any] | None = None) -> None:
         counts = parse_counts(new_tokens)
         tokens = tokens or {}
-        if not isinstance(tokens, Mapping) or not set(tokens) <= set(new_tokens):
+        if tokens and (not isinstance(tokens, abc.Mapping) or not tokens.keys() <= new_tokens.keys()):
             raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
         counts_of = cast("Mapping[SeqId, int]", new_tokens)  # keys were checked against new_tokens just above
         self.seq_ids: list[SeqId] = list(new_tokens)
         self.decode = counts.count(1) == len(counts)  # one new token per sequence
-        self.token_ids: dict[SeqId, np.ndarray] = {}
+        self._ids: dict[SeqId, np.ndarray] | None = {}
+        self._ids_parts: tuple[list[SeqId], list[int], np.ndarray] | None = None
         # Every new token's id in row order, when each sequence of the step has its ids
         # and they come in the step's order (the vectorised path of a decode step).
         self.ordered_ids: np.ndarray | None = None
+        self.has_ids = bool(tokens)
         if tokens:
-            self.token_ids, flat = step_token_ids(tokens, counts_of)
-            if self.decode and list(tokens) == self.seq_ids:
+            keys = list(tokens)
+            lengths, flat = step_token_ids(tokens, counts_of)
+            self._ids, self._ids_parts = None, (keys, lengths, flat)
+            if self.decode and keys == self.seq_ids:
                 self.ordered_ids = flat  # one id per row
         self._store = store
         self.new_tokens = counts
@@ -57,10 +62,18 @@ class Step:
         self.slot_mapping = np.empty(0, np.int64)
         self.seq_lens = np.empty(0, np.int32)
         self._seqs: list[Sequence] = []
-        self._undo: tuple[np.ndarray, ...] = ()  # lengths, pages, last pages, their fills
+        self._undo: tuple[Any, ...] = ()  # lengths, pages, last pages, their fills (arrays or lists)
         self._held = _NONE  # the slots of the step's existing pages, pinned (a slot per reference)
         self._extra: list[int] = []  # slots pinned one by one: new pages and copies
         self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
+
+    @property
+    def token_ids(self) -> dict[SeqId, np.ndarray]:
+        """The new tokens' ids per sequence (those the step was given), cut when first asked for."""
+        if self._ids is None:
+            assert self._ids_parts is not None
+            self._ids = split_ids(*self._ids_parts)
+        return self._ids
 
     def __enter__(self) -> Step:
         _enter_step(self._store, self)
@@ -101,7 +114,8 @@ def _exit_step(store: StoreCore, step: Step, ok: bool) -> None:
 
 def parse_counts(new_tokens: Any) -> list[int]:
     """Validate a step's mapping of sequence id -> new token count; return the counts."""
-    if not isinstance(new_tokens, Mapping) or not new_tokens:
+    # collections.abc, not typing: isinstance against typing's alias costs microseconds a step.
+    if not isinstance(new_tokens, abc.Mapping) or not new_tokens:
         raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
     counts = list(new_tokens.values())
     if set(map(type, counts)) != {int} or min(counts) < 0:
@@ -175,12 +189,17 @@ def begin(store: StoreCore, step: Step) -> None:
         else:
             seqs = cast("list[Sequence]", found)
         members = frozenset(seqs)
-        lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
-        npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
-        rows = np.arange(len(seqs))
+        lengths = npages = rows = _NONE
     else:  # the same batch as the last step, and no block table changed since
         seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
     known.check_idle(members)
+    if step.decode and len(seqs) <= _FEW:
+        _begin_few(store, step, seqs, members, batch)
+        return
+    if rows is _NONE:  # a new batch, or one the Python-int plan made: no arrays yet
+        lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
+        npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
+        rows = np.arange(len(seqs))
     decode = step.decode
     counts = rows * 0 + 1 if decode else np.asarray(step.new_tokens, np.int64)
     after = lengths + counts
@@ -203,14 +222,14 @@ def begin(store: StoreCore, step: Step) -> None:
         if needed > mgr.available():
             raise PoolExhausted(
                 f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    np.add.at(mgr.pins, held, 1)
+    np.add.at(mgr.pins, held, ONE)
     step._held = held
     step._seqs = seqs
     grows = np.flatnonzero(growing | cow if copies else growing)
     last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
-        if len(grows) and (not step.token_ids or step.ordered_ids is not None):
+        if len(grows) and (not step.has_ids or step.ordered_ids is not None):
             # Rows that start exactly one fresh page (decode crossing a page boundary)
             # get their pages in one batch; the others go page by page.
             fresh = (offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)
@@ -227,7 +246,7 @@ def begin(store: StoreCore, step: Step) -> None:
                     mgr.mark_written(pid, fill)
             else:
                 mgr.mark_written_many(pids, fills)
-            if step.token_ids or mgr.tokens_seen:
+            if step.has_ids or mgr.tokens_seen:
                 _inplace_tokens(store, step, seqs, inplace, pids, offsets)
     except BaseException:
         end(store, step, ok=False)
@@ -244,6 +263,71 @@ def begin(store: StoreCore, step: Step) -> None:
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
                          after, new_npages, members, by_key, rows)
     _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
+
+
+def _begin_few(store: StoreCore, step: Step, seqs: list[Sequence], members: frozenset[Sequence],
+               batch: _Batch | None) -> None:
+    """``begin`` for a decode step of at most ``_FEW`` sequences, planned with Python ints.
+
+    The same plan as the vectorised one (``tests/test_step_paths.py`` runs both on
+    the same workload): there, a numpy call per array costs more than the rows do.
+    """
+    mgr, page_size, known = store._mgr, store.geometry.page_size, store._seqs
+    lengths = [seq.length for seq in seqs]
+    npages = [seq.npages for seq in seqs]
+    new_npages = [n + (length % page_size == 0) for length, n in zip(lengths, npages)]
+    new_pages = sum(new_npages) - sum(npages)
+    width = max(new_npages)
+    tables, reused = _tables(store, step, seqs, np.asarray(npages, np.int64), width, batch, new_pages)
+    last_pids = [int(seq.pids[n - 1]) if n else -1 for seq, n in zip(seqs, npages)]
+    last_fill = [int(mgr.fill[pid]) if pid >= 0 else 0 for pid in last_pids]
+    grows, inplace, copies = [], [], 0
+    for row, (length, pid) in enumerate(zip(lengths, last_pids)):
+        if length % page_size == 0:
+            grows.append(row)
+        elif mgr.ref[pid] > 1:  # a shared partial page: copied on write
+            grows.append(row)
+            copies += 1
+        else:
+            inplace.append(row)
+    held = tables[tables >= 0]
+    if reused:
+        mgr.stats.add("resident_hits", len(held))
+    needed = len(held) + new_pages + copies
+    if needed > mgr.available():
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    np.add.at(mgr.pins, held, ONE)
+    step._held = held
+    step._seqs = seqs
+    step._undo = (lengths, npages, last_pids, last_fill)
+    try:
+        for row in grows:
+            _grow(store, step, seqs[row], 1, tables[row])
+        for row in inplace:
+            pid = last_pids[row]
+            mgr.mark_written(pid, last_fill[row] + 1)
+            if step.has_ids or mgr.flags[pid] & HAS_TOKENS:
+                write_tokens(mgr, pid, lengths[row] % page_size, step.token_ids.get(seqs[row].seq_id))
+    except BaseException:
+        end(store, step, ok=False)
+        raise
+    after = [length + 1 for length in lengths]
+    for seq, length in zip(seqs, after):
+        seq.length = length
+    step.members = members
+    known.busy[id(step)] = step
+    by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
+    known.dirty.update(by_key)
+    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, _NONE, _NONE,
+                         members, by_key, _NONE)
+    step.block_tables = tables[:, :width].copy()
+    step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
+                                  for row, length in enumerate(lengths)], np.int64)
+    step.seq_lens = np.array(after, np.int32)
+    mgr.touch(held)
 
 
 def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarray,
@@ -338,7 +422,7 @@ def _inplace_tokens(store: StoreCore, step: Step, seqs: list[Sequence], rows: np
     """
     mgr = store._mgr
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
-    todo = np.flatnonzero(with_ids | bool(step.token_ids))
+    todo = np.flatnonzero(with_ids | step.has_ids)
     if step.ordered_ids is not None and len(todo):
         slab_rows = mgr.page_tokens.rows(pids[todo].tolist())
         at = offsets[rows[todo]]
@@ -382,16 +466,17 @@ def end(store: StoreCore, step: Step, ok: bool) -> None:
                     store._seqs.epoch += 1
                     datapath.truncate(store, step._seqs[row], int(lengths[row]), int(npages[row]),
                                       int(last_pids[row]), int(last_fill[row]))
-            elif step.token_ids:
+            elif step.has_ids:
                 # Pages are hashed (and so shareable) only once the engine wrote their K/V.
-                after = lengths + np.asarray(step.new_tokens, np.int64)
-                for row in np.flatnonzero(after // page_size > lengths // page_size).tolist():
+                before = np.asarray(lengths, np.int64)
+                after = before + np.asarray(step.new_tokens, np.int64)
+                for row in np.flatnonzero(after // page_size > before // page_size).tolist():
                     seq = step._seqs[row]
                     for index in range(int(lengths[row]) // page_size, seq.length // page_size):
                         seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
     finally:
         if len(step._held):
-            np.subtract.at(mgr.pins, step._held, 1)
+            np.subtract.at(mgr.pins, step._held, ONE)
         if step._extra:
             mgr.pins[step._extra] -= 1  # distinct: new pages and copies
         step._held, step._extra = _NONE, []

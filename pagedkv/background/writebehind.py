@@ -24,7 +24,7 @@ import numpy as np
 
 from ..storage.codec import encode_spill, page_checksum
 from ..pages import evict
-from ..pages.directory import CODEC_SHIFT, NOWHERE, REC_CURRENT, SPILLED
+from ..pages.directory import CODEC_SHIFT, NOWHERE, ONE, REC_CURRENT, SPILLED
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
@@ -85,7 +85,7 @@ class WriteBehind:
         victims, written, error = state
         host = self._store
         if error is not None or host.closed:
-            np.subtract.at(host.manager.bg_pins, [v["slot"] for v in victims], 1)
+            np.subtract.at(host.manager.bg_pins, [v["slot"] for v in victims], ONE)
             if error is not None:  # poisoned like a failed foreground write
                 self.error = error
                 host.poison(f"write-behind: {error}")

@@ -24,6 +24,9 @@ SPILLED = -1
 REC_NONE, REC_CURRENT, REC_STALE = 0, 1, 2
 HASHED, HAS_TOKENS = 1, 2  # page flags: full page with a chained hash; every token id known
 CODEC_SHIFT = 4  # directory flags bits 4-5: codec of the page's spill record
+# One reference or pin, as the int32 of the ref and pin columns: np.add.at with a Python 1
+# casts through int64 on numpy's slow path (about 70 ns an element instead of 1).
+ONE = np.int32(1)
 
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 _Layout: TypeAlias = "tuple[str, np.dtype[Any], object, bool]"

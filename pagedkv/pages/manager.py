@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import PageCorrupt
 from . import evict as evict_mod
-from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, SPILLED
+from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURRENT, REC_NONE, REC_STALE, SPILLED
 from .restore import restore
 from .table import PageTable
 
@@ -91,12 +91,12 @@ class BlockManager(PageTable):
 
     def incref(self, pids: np.ndarray) -> None:
         """One more reference to each of ``pids`` (duplicates count)."""
-        np.add.at(self.ref, pids, 1)
+        np.add.at(self.ref, pids, ONE)
         self.note_refs(pids)
 
     def decref(self, pids: np.ndarray) -> None:
         """Drop a reference to each of ``pids``; pages reaching zero are freed."""
-        np.subtract.at(self.ref, pids, 1)
+        np.subtract.at(self.ref, pids, ONE)
         self.note_refs(pids)
         for pid in np.unique(pids[self.ref[pids] <= 0]).tolist():
             self._free(pid)
@@ -142,7 +142,7 @@ class BlockManager(PageTable):
         self.stats.add("resident_hits", len(pids) - nmissing)
         if nmissing:
             held = slots[~missing]
-            np.add.at(self.pins, held, 1)
+            np.add.at(self.pins, held, ONE)
             wanted = np.unique(pids[missing])
             known = self.corrupt[wanted].copy()
             try:
@@ -153,7 +153,7 @@ class BlockManager(PageTable):
                                 "is unreadable until it is rewritten", int(self.uid[pid]))
                 raise
             finally:
-                np.subtract.at(self.pins, held, 1)
+                np.subtract.at(self.pins, held, ONE)
             slots = self.slot[pids]
         self.touch(slots)
         resident: np.ndarray = slots

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import faults
 from ..storage.codec import FORMAT_VERSION, unpack_bounded
-from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, REC_CURRENT, REC_NONE, SPILLED
+from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURRENT, REC_NONE, SPILLED
 from ..errors import FormatVersionError, StoreCorrupt
 from ..geometry import Geometry
 from .entries import GATHER_BYTES, dir_entries, pack_tables
@@ -485,7 +485,7 @@ def _load_tables(mgr: BlockManager, tables: list[tuple[bytes, bytes]], uids: np.
             damage.append(f"block table of {name} is longer than its pages' fill")
             continue
         seqs[key] = Sequence(seq_id, key, pos.astype(np.int32), length)
-        np.add.at(mgr.ref, pos, 1)
+        np.add.at(mgr.ref, pos, ONE)
     return seqs
 
 

@@ -55,18 +55,23 @@ def as_token_ids(tokens: Any, count: int | None = None) -> np.ndarray:
     return arr.astype(TOKEN_DTYPE)
 
 
-def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tuple[dict[Any, np.ndarray], np.ndarray]:
+def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tuple[list[int], np.ndarray]:
     """Validate the token ids of many sequences at once (``as_token_ids``'s rules).
 
     ``tokens`` maps sequences to their new tokens' ids, ``counts`` says how many
-    each must have. Returns the ids per sequence (uint32 views) and all of them
-    concatenated in ``tokens``' order. One numpy pass checks them all: a decode
-    step gives one id for each of hundreds of sequences.
+    each must have. Returns how many each has and all of them concatenated in
+    ``tokens``' order (uint32; ``split_ids`` cuts them per sequence). One numpy
+    pass checks them all: a decode step gives one id for each of hundreds of
+    sequences.
     """
     values = list(tokens.values())
     try:
         lengths = list(map(len, values))
-        flat = np.array(list(chain.from_iterable(values)))
+        if lengths and lengths.count(lengths[0]) == len(lengths):  # decode: one id each, one C pass
+            grid = np.array(values) if lengths[0] else np.empty((len(values), 0), np.int64)
+            flat = grid.reshape(-1) if grid.ndim == 2 else grid  # deeper: refused just below
+        else:
+            flat = np.array(list(chain.from_iterable(values)))
     except (TypeError, ValueError):
         raise PagedKVError("tokens must be a 1-D sequence of ints for each sequence") from None
     if flat.ndim != 1:
@@ -80,8 +85,13 @@ def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tupl
         got, want = next((got, want) for got, want in zip(lengths, wanted) if got != want)
         raise PagedKVError(f"{got} token ids given for {want} tokens")
     flat = flat.astype(TOKEN_DTYPE)
+    return lengths, flat
+
+
+def split_ids(keys: list[Any], lengths: list[int], flat: np.ndarray) -> dict[Any, np.ndarray]:
+    """``step_token_ids``' ids per sequence: views of ``flat`` cut at ``lengths``."""
     ends = list(accumulate(lengths))
-    return {key: flat[end - size:end] for key, end, size in zip(tokens, ends, lengths)}, flat
+    return {key: flat[end - size:end] for key, end, size in zip(keys, ends, lengths)}
 
 
 class PrefixIndex:

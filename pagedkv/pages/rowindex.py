@@ -11,8 +11,6 @@ compares keys (the column is replaced when the directory grows).
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 EMPTY, GONE = -1, -2  # a never-used slot; a slot whose row was removed (probing goes on)
@@ -24,38 +22,55 @@ def _homes(digests: np.ndarray, mask: int) -> np.ndarray:
     return (np.ascontiguousarray(digests).view("<u8")[::2] & np.uint64(mask)).astype(np.int64)
 
 
+def _ints(slots: np.ndarray) -> memoryview:
+    """A memoryview of an int32 table: its items read and written as Python ints."""
+    return memoryview(slots.data)
+
+
 class RowIndex:
     """digest -> rows whose digest is ``hashes[row]``; a digest may have several rows."""
 
     def __init__(self) -> None:
         self.slots = np.full(_MIN_SLOTS, EMPTY, np.int32)
+        self._view = _ints(self.slots)  # the same memory, read and written as Python ints
         self.count = 0  # rows held
         self.used = 0  # slots not EMPTY (rows and GONE marks): what bounds probe lengths
 
     def __len__(self) -> int:
         return self.count
 
-    def _path(self, digest: bytes) -> Iterator[tuple[int, int]]:
-        """(slot, row) along ``digest``'s probe path, ending with its first EMPTY slot."""
-        slots, mask = self.slots, len(self.slots) - 1
-        at = int.from_bytes(digest[:8], "little") & mask
-        while True:
-            row = int(slots[at])
-            yield at, row
-            if row == EMPTY:
-                return
-            at = (at + 1) & mask
+    def _probe(self, digest: bytes) -> tuple[memoryview, int, int]:
+        """The table as Python ints, its mask and ``digest``'s home slot.
+
+        Probing reads a few slots per call: through a memoryview each read is a
+        Python int, where a numpy scalar read and its conversion cost several times
+        as much.
+        """
+        mask = len(self.slots) - 1
+        return self._view, mask, int.from_bytes(digest[:8], "little") & mask
 
     def get(self, digest: bytes, hashes: np.ndarray) -> list[int]:
         """Every row held for ``digest``, in probe order (the first added first, unless rebuilt)."""
-        return [row for _, row in self._path(digest) if row >= 0 and hashes[row].tobytes() == digest]
+        view, mask, at = self._probe(digest)
+        found: list[int] = []
+        while True:
+            row = view[at]
+            if row == EMPTY:
+                return found
+            if row >= 0 and hashes[row].tobytes() == digest:
+                found.append(row)
+            at = (at + 1) & mask
 
     def _find(self, digest: bytes, row: int) -> int:
         """The slot holding ``row`` on ``digest``'s probe path, or -1."""
-        for at, found in self._path(digest):
+        view, mask, at = self._probe(digest)
+        while True:
+            found = view[at]
             if found == row:
                 return at
-        return -1
+            if found == EMPTY:
+                return -1
+            at = (at + 1) & mask
 
     def holds(self, digest: bytes, row: int) -> bool:
         """Whether ``row`` is held under ``digest`` (its own digest)."""
@@ -63,16 +78,21 @@ class RowIndex:
 
     def add(self, digest: bytes, row: int, hashes: np.ndarray) -> bool:
         """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless it is held already."""
-        reuse = at = -1
-        for at, found in self._path(digest):
+        view, mask, at = self._probe(digest)
+        reuse = -1
+        while True:
+            found = view[at]
+            if found == row:
+                return False
+            if found == EMPTY:
+                break
             if found == GONE and reuse < 0:
                 reuse = at
-            elif found == row:
-                return False
+            at = (at + 1) & mask
         if reuse < 0:  # the path's empty end
             reuse = at
             self.used += 1
-        self.slots[reuse] = row
+        view[reuse] = row
         self.count += 1
         if 10 * self.used > 7 * len(self.slots):
             self._rebuild(hashes)
@@ -82,7 +102,7 @@ class RowIndex:
         """Stop holding ``row`` under ``digest`` (nothing if it is not held)."""
         at = self._find(digest, row)
         if at >= 0:
-            self.slots[at] = GONE
+            self._view[at] = GONE
             self.count -= 1
 
     def rows(self) -> np.ndarray:
@@ -123,3 +143,4 @@ class RowIndex:
             pending = pending[~placed[pending]]
             at[pending] = (at[pending] + 1) & (size - 1)
         self.slots, self.count, self.used = slots, len(rows), len(rows)
+        self._view = _ints(slots)

@@ -11,6 +11,8 @@ tokens table) stays the directory's.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -59,8 +61,7 @@ class PageTokens:
 
     def rows(self, pids: list[int]) -> NDArray[np.int64]:
         """Slab rows of ``pids`` (-1 for a page with no ids in memory)."""
-        get = self.row_of.get
-        return np.fromiter((get(pid, -1) for pid in pids), np.int64, len(pids))
+        return np.fromiter(map(self.row_of.get, pids, repeat(-1, len(pids))), np.int64, len(pids))
 
     def write_one_each(self, rows: NDArray[np.int64], offsets: NDArray[np.int64],
                        ids: NDArray[np.uint32]) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from ..core import StoreCore
 from ..errors import PageCorrupt, PagedKVError, PoolExhausted
 from ..geometry import Geometry
-from ..pages.directory import HASHED, NOWHERE
+from ..pages.directory import HASHED, NOWHERE, ONE
 from ..pages.prefix import ROOT, chain_hash, seal, write_tokens
 from ..pages.tokens import TOKEN_DTYPE
 from ..pages.restore import fetch_record
@@ -138,7 +138,7 @@ class RemoteTier:
             if self.digest_of(pid) is None:
                 self._remember(pid, digests[index])
         held = np.asarray(pids, np.int64)
-        np.add.at(mgr.ref, held, 1)  # placing pages evicts: the matched ones must stay
+        np.add.at(mgr.ref, held, ONE)  # placing pages evicts: the matched ones must stay
         placed: list[int] = []
         try:
             index = start
@@ -152,8 +152,8 @@ class RemoteTier:
                     break
                 index += count
         finally:
-            np.subtract.at(mgr.ref, held, 1)
-            np.subtract.at(mgr.ref, np.asarray(placed, np.int64), 1)
+            np.subtract.at(mgr.ref, held, ONE)
+            np.subtract.at(mgr.ref, np.asarray(placed, np.int64), ONE)
         return list(pids) + placed
 
     def _fetch(self, token_ids: np.ndarray, digests: list[bytes], first: int,
