@@ -277,7 +277,8 @@ class Run:
     (12, {"durability": "nosync"}),  # most operations evict or restore
     (64, {"durability": "durable"}),  # mostly resident: commits move pages between slots
     (12, {"durability": "nosync", "spill_limit_bytes": 6000}),  # cache pages dropped to stay under the cap
-], ids=["small-pool", "roomy-pool", "spill-cap"])
+    (12, {"durability": "nosync", "spill_codec": "zstd"}),  # the record codec rides in each entry's flags
+], ids=["small-pool", "roomy-pool", "spill-cap", "zstd-records"])
 def test_incremental_commit_matches_full_scan(tmp_path: Path, pool_pages: int, options: dict[str, Any]) -> None:
     seed = get_seed("incremental commit")
     counts = Run(tmp_path / "s", seed, pool_pages, **options).run(250)
