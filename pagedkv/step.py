@@ -52,7 +52,7 @@ class Step:
         self.has_ids = bool(tokens)
         if tokens:
             keys = list(tokens)
-            lengths, flat = step_token_ids(tokens, counts_of)
+            lengths, flat = step_token_ids(tokens, counts_of, self.decode)
             self._ids, self._ids_parts = None, (keys, lengths, flat)
             if self.decode and keys == self.seq_ids:
                 self.ordered_ids = flat  # one id per row
@@ -141,11 +141,15 @@ class _Batch:
 
     def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
                  table_epoch: int, evict_epoch: int, lengths: np.ndarray, npages: np.ndarray,
-                 members: frozenset[Sequence], by_key: dict[bytes, Sequence], rows: np.ndarray) -> None:
+                 members: frozenset[Sequence], by_key: dict[bytes, Sequence], rows: np.ndarray,
+                 last_pids: np.ndarray | None, last_fill: np.ndarray | None) -> None:
         self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
         self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
         self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
         self.rows = rows  # arange(len(seqs))
+        # Each row's last page and its fill: only block-table changes (which end the batch)
+        # and steps move them, and a step leaves them here.
+        self.last_pids, self.last_fill = last_pids, last_fill
 
 
 def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -201,16 +205,28 @@ def begin(store: StoreCore, step: Step) -> None:
         npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
         rows = np.arange(len(seqs))
     decode = step.decode
-    counts = rows * 0 + 1 if decode else np.asarray(step.new_tokens, np.int64)
-    after = lengths + counts
-    new_npages = (after + (page_size - 1)) // page_size
-    width = int(new_npages.max())
-    growing = new_npages > npages
-    new_pages = int(np.count_nonzero(growing)) if decode else int((new_npages - npages).sum())
-    tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
-    last_pids = np.where(npages > 0, mgr.slot_pid[tables[rows, np.maximum(npages - 1, 0)]], -1)
     offsets = lengths % page_size
-    partial = offsets != 0 if decode else (offsets != 0) & (counts > 0)
+    if decode:  # a row grows exactly when its last page is full (or it has none)
+        counts = np.ones(len(seqs), np.int64)
+        after = lengths + 1
+        growing = offsets == 0
+        new_npages = npages + growing
+        new_pages = int(np.count_nonzero(growing))
+        partial = ~growing
+    else:
+        counts = np.asarray(step.new_tokens, np.int64)
+        after = lengths + counts
+        new_npages = (after + (page_size - 1)) // page_size
+        growing = new_npages > npages
+        new_pages = int((new_npages - npages).sum())
+        partial = (offsets != 0) & (counts > 0)
+    width = int(new_npages.max())
+    tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
+    if batch is not None and batch.last_pids is not None:  # pids and fills as the last step left them
+        last_pids, last_fill = batch.last_pids, batch.last_fill
+    else:
+        last_pids = np.where(npages > 0, mgr.slot_pid[tables[rows, np.maximum(npages - 1, 0)]], -1)
+        last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
     held = tables[tables >= 0]
@@ -226,21 +242,28 @@ def begin(store: StoreCore, step: Step) -> None:
     step._held = held
     step._seqs = seqs
     grows = np.flatnonzero(growing | cow if copies else growing)
-    last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     step._undo = (lengths, npages, last_pids, last_fill)
+    next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
     try:
         if len(grows) and (not step.has_ids or step.ordered_ids is not None):
             # Rows that start exactly one fresh page (decode crossing a page boundary)
             # get their pages in one batch; the others go page by page.
-            fresh = (offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)
-            _fresh_pages(store, step, seqs, grows[fresh], counts, npages, tables)
-            grows = grows[~fresh]
+            fresh = grows[~cow[grows]] if decode else \
+                grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
+            if len(fresh):
+                next_pids[fresh] = _fresh_pages(store, step, seqs, fresh, counts, npages, tables)
+                next_fill[fresh] = counts[fresh]
+                grows = grows[cow[grows]] if decode else np.setdiff1d(grows, fresh, assume_unique=True)
         for row in grows.tolist():
-            _grow(store, step, seqs[row], step.new_tokens[row], tables[row])
+            seq = seqs[row]
+            _grow(store, step, seq, step.new_tokens[row], tables[row])
+            next_pids[row] = pid = int(seq.pids[seq.npages - 1])
+            next_fill[row] = mgr.fill[pid]
         inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else partial)
         if len(inplace):
             pids = last_pids[inplace]
-            fills = last_fill[inplace] + counts[inplace]
+            fills = last_fill[inplace] + (1 if decode else counts[inplace])
+            next_fill[inplace] = fills
             if len(inplace) <= _FEW:
                 for pid, fill in zip(pids.tolist(), fills.tolist()):
                     mgr.mark_written(pid, fill)
@@ -261,7 +284,7 @@ def begin(store: StoreCore, step: Step) -> None:
     else:
         known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
-                         after, new_npages, members, by_key, rows)
+                         after, new_npages, members, by_key, rows, next_pids, next_fill)
     _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
 
 
@@ -322,7 +345,7 @@ def _begin_few(store: StoreCore, step: Step, seqs: list[Sequence], members: froz
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     known.dirty.update(by_key)
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, _NONE, _NONE,
-                         members, by_key, _NONE)
+                         members, by_key, _NONE, None, None)
     step.block_tables = tables[:, :width].copy()
     step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)
@@ -360,13 +383,11 @@ def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarr
 
 
 def _fresh_pages(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
-                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> None:
-    """One new page for each of ``rows``, holding its new tokens, in one batch.
+                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> np.ndarray:
+    """One new page for each of ``rows``, holding its new tokens, in one batch; returns the pages.
 
     With token ids, each row has one new token (``Step.ordered_ids``).
     """
-    if not len(rows):
-        return
     mgr = store._mgr
     pids = mgr.new_pages(counts[rows])
     if step.ordered_ids is not None:
@@ -377,6 +398,7 @@ def _fresh_pages(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.nd
     tables[rows, npages[rows]] = slots
     for row, pid in zip(rows.tolist(), pids.tolist()):
         seqs[row].push(pid)
+    return pids
 
 
 def _grow(store: StoreCore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:

@@ -55,11 +55,12 @@ def as_token_ids(tokens: Any, count: int | None = None) -> np.ndarray:
     return arr.astype(TOKEN_DTYPE)
 
 
-def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tuple[list[int], np.ndarray]:
+def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int],
+                   all_one: bool = False) -> tuple[list[int], np.ndarray]:
     """Validate the token ids of many sequences at once (``as_token_ids``'s rules).
 
     ``tokens`` maps sequences to their new tokens' ids, ``counts`` says how many
-    each must have. Returns how many each has and all of them concatenated in
+    each must have (``all_one``: every count is 1). Returns how many each has and all of them concatenated in
     ``tokens``' order (uint32; ``split_ids`` cuts them per sequence). One numpy
     pass checks them all: a decode step gives one id for each of hundreds of
     sequences.
@@ -80,6 +81,8 @@ def step_token_ids(tokens: Mapping[Any, Any], counts: Mapping[Any, int]) -> tupl
         raise PagedKVError(f"tokens must be 1-D sequences of ints, got {flat.dtype} values")
     if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= 1 << 32):
         raise PagedKVError("token ids must be in [0, 2**32)")
+    if lengths.count(1) == len(lengths) and all_one:  # a decode step: one id for one token each
+        return lengths, flat.astype(TOKEN_DTYPE)
     wanted = [int(counts[key]) for key in tokens]
     if lengths != wanted:
         got, want = next((got, want) for got, want in zip(lengths, wanted) if got != want)
@@ -149,6 +152,16 @@ class PrefixIndex:
                 stored = mgr.page_tokens_of(pid)
                 if stored is not None and np.array_equal(stored, token_ids):
                     return int(mgr.chain[pid])
+        return 0
+
+    def insert(self, digest: bytes, pid: int, parent_class: int, token_ids: np.ndarray, mgr: Any) -> int:
+        """Index a page just hashed (``mgr.hash[pid]`` is ``digest``) and return ``class_of`` for it:
+        one probe of the table for both."""
+        for other in self.index.insert(digest, pid, mgr.hash):
+            if int(mgr.parent[other]) == parent_class:
+                stored = mgr.page_tokens_of(other)
+                if stored is not None and np.array_equal(stored, token_ids):
+                    return int(mgr.chain[other])
         return 0
 
     def equal_page(self, pid: int, mgr: Any) -> int:
@@ -243,12 +256,11 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
     mgr.track_hashes()
     digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
     parent_class = int(mgr.chain[parent]) if parent >= 0 else 0
-    chain = mgr.prefix.class_of(digest, parent_class, token_ids, mgr) or int(mgr.uid[pid])
     mgr.hash[pid] = digest
+    chain = mgr.prefix.insert(digest, pid, parent_class, token_ids, mgr) or int(mgr.uid[pid])
     mgr.parent[pid] = parent_class
     mgr.chain[pid] = chain
     mgr.flags[pid] |= HASHED
     mgr.note_changed(pid)
-    mgr.prefix.add(digest, pid, mgr.hash)
     if mgr.on_seal is not None:
         mgr.on_seal(pid, parent)

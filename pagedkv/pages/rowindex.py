@@ -98,6 +98,33 @@ class RowIndex:
             self._rebuild(hashes)
         return True
 
+    def insert(self, digest: bytes, row: int, hashes: np.ndarray) -> list[int]:
+        """``add``, in the same probe returning the other rows held for ``digest`` (probe order)."""
+        view, mask, at = self._probe(digest)
+        reuse, equal, held = -1, [], False
+        while True:
+            found = view[at]
+            if found == EMPTY:
+                break
+            if found == GONE:
+                if reuse < 0:
+                    reuse = at
+            elif found == row:
+                held = True
+            elif hashes[found].tobytes() == digest:
+                equal.append(found)
+            at = (at + 1) & mask
+        if held:
+            return equal
+        if reuse < 0:
+            reuse = at
+            self.used += 1
+        view[reuse] = row
+        self.count += 1
+        if 10 * self.used > 7 * len(self.slots):
+            self._rebuild(hashes)
+        return equal
+
     def discard(self, digest: bytes, row: int) -> None:
         """Stop holding ``row`` under ``digest`` (nothing if it is not held)."""
         at = self._find(digest, row)
