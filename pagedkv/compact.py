@@ -45,6 +45,7 @@ from . import faults, opening
 from .errors import StoreCorrupt, StoreFull
 from .storage.files import fsync_dir, io_error
 from .storage.lmdbcheck import check_data_file
+from .storage.lmdbformat import META_MAGIC, META_MAGIC_AT, META_PSIZE_AT, META_TXNID_AT, PAGE_SIZES
 from .storage.lmdbwalk import walk_pages
 from .storage.lockfile import WriterLock
 from .storage.pool import PagePool
@@ -57,8 +58,7 @@ POOL_FILE, SPILL_DIR, LOCK_FILE, DATA_FILE = "pool.bin", "spill", "LOCK", "data.
 # Where a SIGKILL test stops compact (PAGEDKV_CRASHPOINT=name:1), in the order they are passed.
 CRASH_POINTS = ("compact.after_lock", "compact.after_settle", "compact.after_copy", "compact.before_rename",
                 "compact.after_rename", "compact.after_sync")
-_META_BYTES = 152  # a meta page's header and MDB_meta through mm_txnid (LMDB 0.9)
-_DATA_VERSION = 1  # LMDB 0.9's data format, the one lmdbcheck.py reads
+_DATA_VERSION = 1  # LMDB 0.9's data format, whose layout storage/lmdbformat.py describes
 _SPACE_SLACK = 64 << 20  # free bytes the copy must leave on the filesystem
 
 
@@ -184,21 +184,21 @@ def _carry_txnid(fd: int, temp: str, txnid: int) -> None:
     A compacting copy holds its tree in meta page 1 with transaction id 1 and an
     empty meta page 0 (LMDB 0.9's ``mdb_env_copyfd1``).
     """
-    head = os.pread(fd, 48, 0)
-    psize = struct.unpack_from("<I", head, 40)[0] if len(head) >= 44 else 0
-    if psize not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+    head = os.pread(fd, META_PSIZE_AT + 8, 0)
+    psize = struct.unpack_from("<I", head, META_PSIZE_AT)[0] if len(head) >= META_PSIZE_AT + 4 else 0
+    if psize not in PAGE_SIZES:
         raise StoreCorrupt(f"{temp}: LMDB's copy has no recognisable meta page")
     meta = bytearray(os.pread(fd, psize, psize))
-    magic, version = struct.unpack_from("<II", meta, 16)
-    if magic != 0xBEEFC0DE or version != _DATA_VERSION:
+    magic, version = struct.unpack_from("<II", meta, META_MAGIC_AT)  # the version follows the magic
+    if magic != META_MAGIC or version != _DATA_VERSION:
         raise StoreCorrupt(f"{temp}: LMDB's copy is data format {version}, not {_DATA_VERSION} (LMDB 0.9)")
-    if struct.unpack_from("<Q", meta, 144)[0] != 1:
+    if struct.unpack_from("<Q", meta, META_TXNID_AT)[0] != 1:
         raise StoreCorrupt(f"{temp}: LMDB's copy does not hold its tree in meta page 1")
     if txnid <= 1:
         return  # the copy's numbering is the original's already
     for slot, number in ((txnid & 1, txnid), (1 - (txnid & 1), txnid - 1)):
         struct.pack_into("<Q", meta, 0, slot)  # the page header's own page number
-        struct.pack_into("<Q", meta, 144, number)
+        struct.pack_into("<Q", meta, META_TXNID_AT, number)
         if os.pwrite(fd, bytes(meta), slot * psize) != psize:
             raise OSError(errno.EIO, "short write of a meta page", temp)
 
