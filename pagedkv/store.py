@@ -39,9 +39,9 @@ class KVStore(StoreCore):
     def __init__(self, path: str, pool: PagePool, spill: SpillStore, superblock: dict[str, Any],
                  options: StoreOptions, lock: Any) -> None:
         super().__init__(path, pool, spill, superblock, options, lock)
-        self._prefetcher = Prefetcher(self)
+        self._prefetcher = Prefetcher(self.background_host)
         # Write-behind does not plan around a spill cap, so a capped store spills in the foreground.
-        self._write_behind = (WriteBehind(self) if options.write_behind and not options.readonly
+        self._write_behind = (WriteBehind(self.background_host) if options.write_behind and not options.readonly
                               and options.spill_limit is None else None)
         self._remote: Any = None  # the shared remote tier (pagedkv.remote), if opened with one
         if not self.readonly and options.spill_limit is not None:
@@ -379,9 +379,6 @@ class KVStore(StoreCore):
         # Break the store <-> thread-helper cycles, so a dropped handle is freed at once
         # rather than at the next cyclic collection.
         self._mgr.on_take = self._mgr.wait_background = None
-        self._prefetcher._store = None  # type: ignore[assignment]
-        if self._write_behind is not None:
-            self._write_behind._store = None  # type: ignore[assignment]
         self._spill.close()
         self._pool_file.close()
         if self._writer_lock is not None:

@@ -20,7 +20,7 @@ from ..errors import PageCorrupt, PoolExhausted
 from ..pages.directory import REC_CURRENT
 from ..pages.sequence import SeqId
 from ..pages.restore import fetch_record
-from .host import BackgroundHost, HostOwner
+from .host import BackgroundHost
 
 _CHUNK = 16  # pages fetched per read transaction between two takes of the lock
 log = logging.getLogger(__name__)
@@ -47,10 +47,10 @@ class Prefetch:
 class Prefetcher:
     """One daemon thread per store, started on the first request."""
 
-    def __init__(self, store: HostOwner) -> None:
-        # The handle's background surface is all this thread keeps of it (the handle
-        # clears the reference when it is released).
-        self._store: BackgroundHost = store.background_host
+    def __init__(self, host: BackgroundHost) -> None:
+        # The handle's background surface is all this thread keeps of it; the host holds
+        # the handle weakly, so the thread keeps no released handle alive.
+        self._host = host
         self._jobs: queue.Queue[tuple[Prefetch, threading.Event] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -86,7 +86,7 @@ class Prefetcher:
                 done.set()
 
     def _prefetch(self, job: Prefetch) -> None:
-        host = self._store
+        host = self._host
         with host.lock:
             if host.closed or host.readonly:
                 return
@@ -105,8 +105,8 @@ class Prefetcher:
                     return
 
     def _fetch(self, chunk: list[tuple[int, int, int, int]]) -> list[tuple[Any, ...]]:
-        mgr, staged = self._store.manager, []
-        with self._store.read_transaction() as txn:
+        mgr, staged = self._host.manager, []
+        with self._host.read_transaction() as txn:
             for pid, uid, fill, csum in chunk:
                 started = time.perf_counter()
                 page, nbytes = fetch_record(mgr, txn, uid, fill, csum)
@@ -115,7 +115,7 @@ class Prefetcher:
 
     def _place(self, job: Prefetch, staged: list[tuple[Any, ...]]) -> bool:
         """Put fetched pages that are still spilled and unchanged into free slots."""
-        host = self._store
+        host = self._host
         mgr = host.manager
         for pid, uid, fill, csum, page, nbytes, seconds in staged:
             if not (mgr.live[pid] and int(mgr.uid[pid]) == uid and mgr.slot[pid] < 0

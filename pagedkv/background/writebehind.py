@@ -28,7 +28,7 @@ from ..pages.directory import CODEC_SHIFT, NOWHERE, ONE, REC_CURRENT, SPILLED
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
-from .host import BackgroundHost, HostOwner
+from .host import BackgroundHost
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 class WriteBehind:
     """The background evictor of one store."""
 
-    def __init__(self, store: HostOwner) -> None:
-        # The handle's background surface is all this thread keeps of it (the handle
-        # clears the reference when it is released).
-        self._store: BackgroundHost = store.background_host
+    def __init__(self, host: BackgroundHost) -> None:
+        # The handle's background surface is all this thread keeps of it; the host holds
+        # the handle weakly, so the thread keeps no released handle alive.
+        self._host = host
         self.low_water = 0  # set by attach() once the manager exists
         self._wake = threading.Event()
         self._txn_done = threading.Event()
@@ -51,14 +51,14 @@ class WriteBehind:
 
     def attach(self) -> None:
         """Start watching the manager's free slots (after the store has loaded)."""
-        mgr = self._store.manager
+        mgr = self._host.manager
         self.low_water = max(mgr.evict_batch, mgr.pool_pages // 8)
         mgr.on_take = self.kick
         mgr.wait_background = self.wait
 
     def kick(self) -> None:
         """Called with the store lock held after slots were taken."""
-        if len(self._store.manager.free_slots) < self.low_water and self.error is None:
+        if len(self._host.manager.free_slots) < self.low_water and self.error is None:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pagedkv-write-behind", daemon=True)
                 self._thread.start()
@@ -83,7 +83,7 @@ class WriteBehind:
         if state is None:
             return None
         victims, written, error = state
-        host = self._store
+        host = self._host
         if error is not None or host.closed:
             np.subtract.at(host.manager.bg_pins, [v["slot"] for v in victims], ONE)
             if error is not None:  # poisoned like a failed foreground write
@@ -113,14 +113,14 @@ class WriteBehind:
                     pass
             except BaseException as exc:  # an I/O failure poisons the handle, as in the foreground
                 if exc is not self.error:  # a failed batch was logged as it landed
-                    log.error("%s: the write-behind thread failed", self._store.path, exc_info=exc)
+                    log.error("%s: the write-behind thread failed", self._host.path, exc_info=exc)
                 self.error = exc
-                self._store.poison(f"write-behind: {exc}")
+                self._host.poison(f"write-behind: {exc}")
                 return
 
     def _batch(self) -> bool:
         """Spill one batch; return whether to continue (still below the low-water mark)."""
-        host = self._store
+        host = self._host
         with host.lock:
             mgr = host.manager
             if host.closed or host.poisoned or len(mgr.free_slots) >= self.low_water:
@@ -147,7 +147,7 @@ class WriteBehind:
         return True
 
     def _choose(self) -> list[dict[str, Any]]:
-        mgr = self._store.manager
+        mgr = self._host.manager
         live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0) & (mgr.bg_pins == 0))
         count = min(len(live), mgr.evict_batch)
         if not count:
@@ -169,7 +169,7 @@ class WriteBehind:
 
     def _encode(self, victims: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Checksums and records, off the lock (the committed prefix of each page is immutable)."""
-        mgr = self._store.manager
+        mgr = self._host.manager
         for v in victims:
             page = mgr.pool[v["slot"]]
             if v["csum"] is None:
@@ -188,7 +188,7 @@ class WriteBehind:
 
     def _write(self, victims: list[dict[str, Any]]) -> set[int]:
         """One synced transaction; returns the slots whose page it spilled."""
-        mgr = self._store.manager
+        mgr = self._host.manager
         written: set[int] = set()
 
         def body(txn: Any) -> None:
@@ -204,7 +204,7 @@ class WriteBehind:
                     mgr.spill.put(txn, mgr.spill.pages, key, v["record"])
                 written.add(v["slot"])
 
-        self._store.write_transaction(body, "write-behind")
+        self._host.write_transaction(body, "write-behind")
         return written
 
 
