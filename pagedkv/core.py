@@ -231,7 +231,7 @@ class CoreHost(BackgroundHost):
 
     def place(self, pid: int, slot: int) -> None:
         """Record a page restored into ``slot`` in the page table; under the lock."""
-        self._live()._mgr._place(pid, slot)
+        self._live()._mgr.place(pid, slot)
 
     def read_transaction(self) -> AbstractContextManager[Any]:
         """A counted spill read transaction (``SpillStore.background_read``)."""

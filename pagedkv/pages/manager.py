@@ -35,7 +35,7 @@ class BlockManager(PageTable):
         self.next_uid += 1
         self.ref[pid] = 1
         self.refs_moved.add(pid)
-        self._place(pid, slot)
+        self.place(pid, slot)
         self.mark_written(pid, 0)
         self.stats.add("pages_allocated")
         return pid

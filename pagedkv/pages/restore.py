@@ -70,7 +70,7 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
                     bad = bad or exc
                     done += 1
                     continue
-                mgr._place(pid, slot)
+                mgr.place(pid, slot)
                 filled.append(slot)
                 done += 1
                 nbytes += size

@@ -87,7 +87,12 @@ class PageTable(Directory):
         self.pool_exposed = False  # whether store.pool was handed out (anyone may write it since)
 
     # -- bookkeeping of writes and placement --------------------------------
-    def _place(self, pid: int, slot: int) -> None:
+    def place(self, pid: int, slot: int) -> None:
+        """Record that page ``pid`` now lives in ``slot`` (a free slot its bytes were written into).
+
+        The slot counts as just used (LRU) and as written since the last commit,
+        which flushes it and records the page's new placement.
+        """
         self.slot[pid] = slot
         self.slot_pid[slot] = pid
         self.tick += 1
