@@ -142,7 +142,8 @@ class _Batch:
     def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
                  table_epoch: int, evict_epoch: int, lengths: np.ndarray, npages: np.ndarray,
                  members: frozenset[Sequence], by_key: dict[bytes, Sequence], rows: np.ndarray,
-                 last_pids: np.ndarray | None, last_fill: np.ndarray | None) -> None:
+                 last_pids: np.ndarray | None, last_fill: np.ndarray | None,
+                 last_slab: np.ndarray | None) -> None:
         self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
         self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
         self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
@@ -150,6 +151,7 @@ class _Batch:
         # Each row's last page and its fill: only block-table changes (which end the batch)
         # and steps move them, and a step leaves them here.
         self.last_pids, self.last_fill = last_pids, last_fill
+        self.last_slab = last_slab  # their slab rows of token ids (a hint: PageTokens checks it)
 
 
 def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -244,6 +246,7 @@ def begin(store: StoreCore, step: Step) -> None:
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
+    next_slab = np.full(len(seqs), -1, np.int64)  # their slab rows of token ids, where known
     try:
         if len(grows) and (not step.has_ids or step.ordered_ids is not None):
             # Rows that start exactly one fresh page (decode crossing a page boundary)
@@ -251,7 +254,9 @@ def begin(store: StoreCore, step: Step) -> None:
             fresh = grows[~cow[grows]] if decode else \
                 grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
             if len(fresh):
-                next_pids[fresh] = _fresh_pages(store, step, seqs, fresh, counts, npages, tables)
+                next_pids[fresh], slab = _fresh_pages(store, step, seqs, fresh, counts, npages, tables)
+                if slab is not None:
+                    next_slab[fresh] = slab
                 next_fill[fresh] = counts[fresh]
                 grows = grows[cow[grows]] if decode else np.setdiff1d(grows, fresh, assume_unique=True)
         for row in grows.tolist():
@@ -270,7 +275,10 @@ def begin(store: StoreCore, step: Step) -> None:
             else:
                 mgr.mark_written_many(pids, fills)
             if step.has_ids or mgr.tokens_seen:
-                _inplace_tokens(store, step, seqs, inplace, pids, offsets)
+                hint = None if batch is None or batch.last_slab is None else batch.last_slab[inplace]
+                slab_rows = _inplace_tokens(store, step, seqs, inplace, pids, offsets, hint)
+                if slab_rows is not None:
+                    next_slab[inplace] = slab_rows
     except BaseException:
         end(store, step, ok=False)
         raise
@@ -284,7 +292,7 @@ def begin(store: StoreCore, step: Step) -> None:
     else:
         known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
-                         after, new_npages, members, by_key, rows, next_pids, next_fill)
+                         after, new_npages, members, by_key, rows, next_pids, next_fill, next_slab)
     _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
 
 
@@ -345,7 +353,7 @@ def _begin_few(store: StoreCore, step: Step, seqs: list[Sequence], members: froz
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     known.dirty.update(by_key)
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, _NONE, _NONE,
-                         members, by_key, _NONE, None, None)
+                         members, by_key, _NONE, None, None, None)
     step.block_tables = tables[:, :width].copy()
     step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)
@@ -383,22 +391,22 @@ def _tables(store: StoreCore, step: Step, seqs: list[Sequence], npages: np.ndarr
 
 
 def _fresh_pages(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
-                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> np.ndarray:
-    """One new page for each of ``rows``, holding its new tokens, in one batch; returns the pages.
+                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """One new page for each of ``rows``, holding its new tokens, in one batch.
 
-    With token ids, each row has one new token (``Step.ordered_ids``).
+    With token ids, each row has one new token (``Step.ordered_ids``). Returns the
+    pages and, with ids, their slab rows of token ids.
     """
     mgr = store._mgr
     pids = mgr.new_pages(counts[rows])
-    if step.ordered_ids is not None:
-        mgr.start_tokens(pids, step.ordered_ids[rows])
+    slab = None if step.ordered_ids is None else mgr.start_tokens(pids, step.ordered_ids[rows])
     slots = mgr.slot[pids]
     mgr.pins[slots] += 1  # new pages: distinct slots
     step._extra.extend(slots.tolist())
     tables[rows, npages[rows]] = slots
     for row, pid in zip(rows.tolist(), pids.tolist()):
         seqs[row].push(pid)
-    return pids
+    return pids, slab
 
 
 def _grow(store: StoreCore, step: Step, seq: Sequence, count: int, row: np.ndarray) -> None:
@@ -436,26 +444,32 @@ def _pin(mgr: Any, step: Step, slot: int) -> None:
 
 
 def _inplace_tokens(store: StoreCore, step: Step, seqs: list[Sequence], rows: np.ndarray,
-                    pids: np.ndarray, offsets: np.ndarray) -> None:
+                    pids: np.ndarray, offsets: np.ndarray, hint: np.ndarray | None) -> np.ndarray | None:
     """Token ids of tokens written into existing last pages (only where ids are involved).
 
     One token per row into a page whose earlier ids are in memory (a decode step)
-    is one indexed write for all such rows; the rest go page by page.
+    is one indexed write for all such rows; the rest go page by page. ``hint``: the
+    pages' slab rows as the batch's last step left them. Returns the slab rows of
+    ``pids`` where the indexed write found them (-1 elsewhere), or None.
     """
     mgr = store._mgr
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
     todo = np.flatnonzero(with_ids | step.has_ids)
+    found = None
     if step.ordered_ids is not None and len(todo):
-        slab_rows = mgr.page_tokens.rows(pids[todo].tolist())
+        slab_rows = mgr.page_tokens.rows_hinted(pids[todo], None if hint is None else hint[todo])
         at = offsets[rows[todo]]
         fast = (slab_rows >= 0) & with_ids[todo]
         fast[fast] = mgr.page_tokens.lens[slab_rows[fast]] == at[fast]
         if fast.any():
             mgr.page_tokens.write_one_each(slab_rows[fast], at[fast], step.ordered_ids[rows[todo[fast]]])
+            found = np.full(len(pids), -1, np.int64)
+            found[todo[fast]] = slab_rows[fast]
             todo = todo[~fast]
     for index in todo.tolist():
         seq_id = seqs[int(rows[index])].seq_id
         write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
+    return found
 
 
 def _outputs(store: StoreCore, step: Step, tables: np.ndarray, lengths: np.ndarray,

@@ -64,11 +64,12 @@ class BlockManager(PageTable):
         self.stats.add("pages_allocated", count)
         return pids
 
-    def start_tokens(self, pids: np.ndarray, ids: np.ndarray) -> None:
-        """The first token id of each of ``pids`` (new pages holding one token each)."""
-        self.page_tokens.start_one_each(pids.tolist(), ids)
+    def start_tokens(self, pids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The first token id of each of ``pids`` (new pages holding one token each); their slab rows."""
+        rows = self.page_tokens.start_one_each(pids.tolist(), ids)
         self.flags[pids] |= HAS_TOKENS
         self.tokens_seen = True
+        return rows
 
     def copy_page(self, src: int) -> int:
         """Copy-on-write: a new private page holding ``src``'s tokens."""

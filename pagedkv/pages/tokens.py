@@ -28,6 +28,7 @@ class PageTokens:
         self.slab: NDArray[np.uint32] = np.empty((0, page_size), TOKEN_DTYPE)
         self.lens: NDArray[np.int32] = np.empty(0, np.int32)
         self.row_of: dict[int, int] = {}  # page row (pid) -> slab row
+        self.owner: NDArray[np.int64] = np.empty(0, np.int64)  # slab row -> page row (-1: spare)
         self._spare: list[int] = []  # slab rows no page holds
 
     def __len__(self) -> int:
@@ -63,17 +64,29 @@ class PageTokens:
         """Slab rows of ``pids`` (-1 for a page with no ids in memory)."""
         return np.fromiter(map(self.row_of.get, pids, repeat(-1, len(pids))), np.int64, len(pids))
 
+    def rows_hinted(self, pids: NDArray[np.int64], hint: NDArray[np.int64] | None) -> NDArray[np.int64]:
+        """``rows(pids)``, trusting ``hint`` (earlier answers, -1: unknown) where a row still
+        belongs to its page: one comparison instead of a lookup per page."""
+        if hint is None or not len(self.owner):
+            return self.rows(pids.tolist())
+        rows = hint.copy()
+        stale = np.flatnonzero((hint < 0) | (self.owner[hint] != pids))
+        if len(stale):
+            rows[stale] = self.rows(pids[stale].tolist())
+        return rows
+
     def write_one_each(self, rows: NDArray[np.int64], offsets: NDArray[np.int64],
                        ids: NDArray[np.uint32]) -> None:
         """Write one id per slab row (``rows`` from ``rows()``, all held, distinct) at ``offsets``."""
         self.slab[rows, offsets] = ids
         self.lens[rows] = offsets + 1
 
-    def start_one_each(self, pids: list[int], ids: NDArray[np.uint32]) -> None:
-        """Hold one id, ``ids[i]``, for each of ``pids`` (pages holding no ids in memory)."""
-        rows = np.fromiter((self._take(pid) for pid in pids), np.int64, len(pids))
+    def start_one_each(self, pids: list[int], ids: NDArray[np.uint32]) -> NDArray[np.int64]:
+        """Hold one id, ``ids[i]``, for each of ``pids`` (pages holding no ids in memory); return their rows."""
+        rows = np.fromiter(map(self._take, pids), np.int64, len(pids))
         self.slab[rows, 0] = ids
         self.lens[rows] = 1
+        return rows
 
     def cut(self, pid: int, keep: int) -> None:
         """Keep only the first ``keep`` held ids of ``pid`` (it holds at least that many)."""
@@ -83,6 +96,7 @@ class PageTokens:
         """Forget ``pid``'s ids (nothing if none are held)."""
         row = self.row_of.pop(pid, None)
         if row is not None:
+            self.owner[row] = -1
             self._spare.append(row)
 
     def drop_many(self, pids: list[int]) -> None:
@@ -99,8 +113,11 @@ class PageTokens:
             slab[:old] = self.slab
             lens = np.zeros(size, np.int32)
             lens[:old] = self.lens
-            self.slab, self.lens = slab, lens
+            owner = np.full(size, -1, np.int64)
+            owner[:old] = self.owner
+            self.slab, self.lens, self.owner = slab, lens, owner
             self._spare.extend(range(size - 1, old - 1, -1))
         row = self._spare.pop()
         self.row_of[pid] = row
+        self.owner[row] = pid
         return row
