@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
+from numpy.exceptions import TooHardError
 
 from .core import StoreCore
 from . import faults
@@ -16,7 +17,7 @@ from .pages.directory import HAS_TOKENS, HASHED, NOWHERE
 from .geometry import Geometry
 from .pages.prefix import seal, write_tokens
 from .pages.sequence import Sequence
-from .pages.restore import read_record
+from .pages.restore import read_record, resident_slot
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ def _cut_tokens(mgr: Any, pid: int, keep: int, token_ids: np.ndarray | None) -> 
 
 def check_range(seq: Sequence, start: Any, stop: Any, limit: int, unit: str) -> tuple[int, int]:
     """Validate ``[start, stop)`` against ``[0, limit]`` (``limit`` tokens or pages); return ints."""
+    if type(start) is int and type(stop) is int and 0 <= start <= stop <= limit:
+        return start, stop
     for name, value in (("start", start), ("stop", stop)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise PagedKVError(f"{name} must be an int")
@@ -182,20 +185,132 @@ def serve(store: StoreCore, seq: Sequence, fetch: Callable[[Sequence], T],
     raise AssertionError("unreachable")
 
 
-def read(store: StoreCore, seq: Sequence, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Copies of K and V of tokens ``[start, stop)``; pages stream through the pool."""
-    geom, page_size = store.geometry, store.geometry.page_size
-    shape = (geom.layers, stop - start, geom.kv_heads, geom.head_dim)
-    out_k, out_v = np.empty(shape, geom.np_dtype), np.empty(shape, geom.np_dtype)
+def check_out(geom: Geometry, pool: np.ndarray, out: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a caller's ``(k_out, v_out)`` for ``count`` tokens (``KVStore.read(..., out=)``); return it.
 
-    def copy_out(index: int, page: np.ndarray) -> None:
-        a, b = max(start, index * page_size), min(stop, (index + 1) * page_size)
-        base = index * page_size
-        out_k[:, a - start:b - start] = page[:, 0, a - base:b - base]
-        out_v[:, a - start:b - start] = page[:, 1, a - base:b - base]
+    Each must be a writable numpy array of the store's dtype and of shape
+    ``(layers, count, kv_heads, head_dim)``, any strides; the two must not
+    overlap each other or the store's pool.
+    """
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise PagedKVError(f"out must be a (k_out, v_out) pair of numpy arrays, got {type(out).__name__}")
+    shape = (geom.layers, count, geom.kv_heads, geom.head_dim)
+    for name, arr in zip(("k_out", "v_out"), out):
+        if not isinstance(arr, np.ndarray):
+            raise PagedKVError(f"{name} must be a numpy array, got {type(arr).__name__}")
+        if arr.dtype != geom.np_dtype:
+            raise PagedKVError(f"{name} has dtype {arr.dtype}, the store holds {geom.dtype}")
+        if arr.shape != shape:
+            raise PagedKVError(f"{name} has shape {arr.shape}; {count} tokens need {shape}")
+        if not arr.flags.writeable:
+            raise PagedKVError(f"{name} is read-only")
+        if np.may_share_memory(arr, pool):
+            raise PagedKVError(f"{name} lies in the store's pool")
+    k_out, v_out = out
+    if np.may_share_memory(k_out, v_out):
+        try:
+            overlap = bool(np.shares_memory(k_out, v_out, max_work=1 << 16))
+        except TooHardError:  # strides too tangled to decide cheaply: refused as overlapping
+            overlap = True
+        if overlap:
+            raise PagedKVError("k_out and v_out overlap")
+    return k_out, v_out
 
-    _each_page(store, seq, start // page_size, -(-stop // page_size), copy_out)
+
+def read(store: StoreCore, seq: Sequence, start: int, stop: int,
+         out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of tokens ``[start, stop)``: into ``out`` (checked by ``check_out``), else new arrays.
+
+    New arrays are the two halves of one allocation, as large as a page-layout
+    copy of the same tokens would be: fresh memory costs its page faults, and
+    one block of it costs fewer than two. Pages stream through the pool; full
+    pages in consecutive slots are copied as one run.
+    """
+    geom, pool = store.geometry, store._mgr.pool
+    page_size = geom.page_size
+    if out is None:
+        both = np.empty((2, geom.layers, stop - start, geom.kv_heads, geom.head_dim), pool.dtype)
+        outs: tuple[np.ndarray, ...] = (both,)
+        out_k, out_v = both[0], both[1]
+    else:
+        out_k, out_v = out
+        outs = out
+    first, last = start // page_size, -(-stop // page_size)
+    if store.readonly:
+        def copy_out(index: int, page: np.ndarray) -> None:
+            base = index * page_size
+            a, b = max(start, base), min(stop, base + page_size)
+            _copy_run(outs, page[np.newaxis], 0, 1, a - base, b - base, a - start)
+
+        _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
+    elif last - first == 1:  # one page: the whole output at once, without the run bookkeeping
+        base = first * page_size
+        src = pool[_one_resident(store, int(seq.pids[first])), :, :, start - base:stop - base]
+        if out is None:
+            both[...] = src.swapaxes(0, 1)
+        else:
+            out_k[...] = src[:, 0]
+            out_v[...] = src[:, 1]
+    else:
+        for lo, slots in _resident_chunks(store, seq, first, last):
+            _gather(outs, pool, slots, lo, start, stop, page_size)
     return out_k, out_v
+
+
+def _gather(outs: tuple[np.ndarray, ...], pool: np.ndarray, slots: list[int], index: int,
+            start: int, stop: int, page_size: int) -> None:
+    """Copy the tokens of pages ``index, index + 1, ...`` (in ``slots``) that ``[start, stop)`` covers.
+
+    Full pages in consecutive slots go as one run: one numpy copy per run
+    instead of one per page and K/V, in the outputs' order (layer by layer).
+    """
+    run_slot = run_pos = run_len = 0
+    for page, slot in enumerate(slots, index):
+        base = page * page_size
+        a, b = max(start, base), min(stop, base + page_size)
+        if b - a == page_size:
+            if run_len and slot == run_slot + run_len:
+                run_len += 1
+                continue
+            if run_len:
+                _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
+            run_slot, run_pos, run_len = slot, a - start, 1
+        else:  # the first or the last page, partly covered
+            if run_len:
+                _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
+                run_len = 0
+            _copy_run(outs, pool, slot, 1, a - base, b - base, a - start)
+    if run_len:
+        _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
+
+
+def _copy_run(outs: tuple[np.ndarray, ...], pool: np.ndarray, slot: int, count: int, a: int, b: int,
+              pos: int) -> None:
+    """Tokens ``[a, b)`` of the pages in slots ``slot .. slot + count`` to output tokens from ``pos`` on.
+
+    ``outs`` is ``(k_out, v_out)``, or one ``(2, layers, n, heads, dim)`` array
+    holding both. Splitting the output's token axis in two (pages, tokens) is
+    always a view, so the copy lands in place whatever the output's strides.
+    """
+    width = b - a
+    span = count * width
+    if count == 1:
+        src = pool[slot, :, :, a:b]  # (layers, 2, width, heads, dim)
+        if len(outs) == 1:
+            outs[0][:, :, pos:pos + span] = src.swapaxes(0, 1)
+        else:
+            outs[0][:, pos:pos + span] = src[:, 0]
+            outs[1][:, pos:pos + span] = src[:, 1]
+        return
+    run = pool[slot:slot + count, :, :, a:b]  # (count, layers, 2, width, heads, dim)
+    if len(outs) == 1:
+        both = outs[0]
+        dst = both[:, :, pos:pos + span].reshape(2, both.shape[1], count, width, *both.shape[3:])
+        dst[...] = run.transpose(2, 1, 0, 3, 4, 5)
+        return
+    for kv, arr in enumerate(outs):
+        dst = arr[:, pos:pos + span].reshape(arr.shape[0], count, width, *arr.shape[2:])
+        dst[...] = run[:, :, kv].transpose(1, 0, 2, 3, 4)
 
 
 def read_pages(store: StoreCore, seq: Sequence, first: int, last: int, length: int | None = None) -> np.ndarray:
@@ -223,10 +338,23 @@ def each_page(store: StoreCore, seq: Sequence, first: int, last: int,
 def _each_page(store: StoreCore, seq: Sequence, first: int, last: int,
                copy_out: Callable[[int, np.ndarray], None]) -> None:
     """Call ``copy_out(index, page)`` for pages ``[first, last)``, verified, restoring as needed."""
-    mgr = store._mgr
     if store.readonly:
         _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
         return
+    pool = store._mgr.pool
+    for lo, slots in _resident_chunks(store, seq, first, last):
+        for index, slot in enumerate(slots, lo):
+            copy_out(index, pool[slot])
+
+
+def _resident_chunks(store: StoreCore, seq: Sequence, first: int,
+                     last: int) -> Iterator[tuple[int, list[int]]]:
+    """Pages ``[first, last)`` as ``(first index, slots)`` chunks, each resident and verified when yielded.
+
+    A chunk is as many pages as the pool can hold at once; the next chunk's
+    restores may evict the previous one's pages.
+    """
+    mgr = store._mgr
     chunk = mgr.available()
     if last > first and chunk < 1:
         raise PoolExhausted("every pool slot is pinned by active steps")
@@ -235,8 +363,23 @@ def _each_page(store: StoreCore, seq: Sequence, first: int, last: int,
         slots = mgr.ensure_resident(pids)
         mgr.verify_many(pids)
         mgr.verify_committed(pids)
-        for index, slot in enumerate(slots.tolist(), lo):
-            copy_out(index, mgr.pool[slot])
+        yield lo, slots.tolist()
+
+
+def _one_resident(store: StoreCore, pid: int) -> int:
+    """``_resident_chunks`` of one page: its slot, resident and verified, without numpy's per-call costs."""
+    mgr = store._mgr
+    slot = int(mgr.slot[pid])
+    # Some slot is unpinned (as a chunk needs) if the page's own slot is, or else the
+    # free slot a restore takes; only otherwise is every slot counted.
+    probe = slot if slot >= 0 else mgr.free_slots[-1] if mgr.free_slots else -1
+    if (probe < 0 or mgr.pins[probe]) and mgr.available() < 1:
+        raise PoolExhausted("every pool slot is pinned by active steps")
+    slot = resident_slot(mgr, pid)
+    mgr.verify(pid)
+    if mgr.pool_exposed:
+        mgr.verify_committed(np.array([pid]))
+    return slot
 
 
 def _read_in_place(store: StoreCore, pids: np.ndarray, first: int,

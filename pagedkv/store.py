@@ -136,11 +136,17 @@ class KVStore(StoreCore):
         datapath.shorten(self, seq, int(length))
 
     @_op(write=False)
-    def read(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, seq_id: SeqId, start: int = 0, stop: int | None = None, *,
+             out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copies of K and V for tokens ``[start, stop)``, each ``(layers, n, kv_heads, head_dim)``.
 
         Spilled pages are restored on the way; a range longer than the pool
         streams through it. Raises ``PageCorrupt`` if a page fails its checksum.
+        New arrays are the two halves of one allocation. ``out=(k_out, v_out)``
+        copies into the caller's arrays instead and returns them: each writable,
+        of the store's dtype and exactly that shape (any strides), not
+        overlapping each other or ``store.pool``, else ``PagedKVError``; after
+        an error their contents are unspecified.
         """
         seq = self._seqs.find(seq_id)
         written = self._seqs.written(seq)
@@ -148,10 +154,15 @@ class KVStore(StoreCore):
             raise SequenceBusy(f"tokens [{written}, {stop}) of {seq_id!r} belong to an active step "
                                "and are not written yet")
         start, stop = datapath.check_range(seq, start, written if stop is None else stop, written, "tokens")
-        out = datapath.serve(self, seq, lambda seq: datapath.read(self, seq, start, stop),
-                          lambda seq: seq.length >= stop)
+        if out is not None:
+            out = datapath.check_out(self.geometry, self._mgr.pool, out, stop - start)
+        if self.readonly:  # a stale snapshot is retried on a fresh one
+            result = datapath.serve(self, seq, lambda seq: datapath.read(self, seq, start, stop, out),
+                                    lambda seq: seq.length >= stop)
+        else:
+            result = datapath.read(self, seq, start, stop, out)
         self._stats.add("tokens_read", stop - start)
-        return out
+        return result
 
     @_op(write=False)
     def read_pages(self, seq_id: SeqId, start: int = 0, stop: int | None = None) -> np.ndarray:

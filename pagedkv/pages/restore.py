@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -13,6 +14,66 @@ from ..errors import PageCorrupt
 from ..storage.spill import uid_key
 from .evict import take_slots
 from .table import PageTable
+
+log = logging.getLogger(__name__)
+
+
+def resident_slot(mgr: PageTable, pid: int) -> int:
+    """The slot of page ``pid``, restored first if spilled: ``BlockManager.ensure_resident`` of one page.
+
+    Counted as that counts (a resident hit, or the restore's counters), a page
+    found corrupt by its restore is logged once, and the slot is marked used.
+    Written with scalars: numpy's per-call costs on one-element arrays were
+    most of a one-page read.
+    """
+    slot: int = mgr.slot.item(pid)
+    if slot >= 0:
+        mgr.stats.counts["resident_hits"] += 1
+    else:
+        slot = _restore_one(mgr, pid)
+    mgr.tick += 1  # touch: the slot was used now
+    mgr.stamp[slot] = mgr.tick
+    return slot
+
+
+def _restore_one(mgr: PageTable, pid: int) -> int:
+    """``restore`` of one spilled page; return its slot."""
+    known: bool = mgr.corrupt.item(pid)
+    uid: int = mgr.uid.item(pid)
+    fill: int = mgr.fill.item(pid)
+    csum: int = mgr.csum.item(pid)
+    free = mgr.free_slots
+    if free:  # take_slots(mgr, 1) without the loop an eviction needs
+        slot = free.pop()
+        if mgr.on_take is not None:
+            mgr.on_take()
+    else:
+        slot = take_slots(mgr, 1)[0]
+    counts = mgr.stats.counts
+    started = time.perf_counter()
+    try:
+        if known:
+            raise PageCorrupt(f"page {uid} is corrupt", uid)
+        with mgr.spill.begin_read() as txn:
+            _, size = _fetch(mgr, record_layout(mgr.geom), txn, uid, fill, csum, mgr.pool[slot])
+            faults.crashpoint("restore.after_copy")
+    except PageCorrupt:
+        free.append(slot)
+        mgr.corrupt[pid] = True
+        counts["misses"] += 1
+        if not known:
+            log.warning("page %d: its spill record fails its checksum (or is missing); the page "
+                        "is unreadable until it is rewritten", uid)
+        raise
+    except BaseException:
+        free.append(slot)
+        raise
+    mgr.place(pid, slot)
+    counts["restores"] += 1
+    counts["spill_hits"] += 1
+    counts["bytes_restored"] += size
+    mgr.stats.restore_latency(time.perf_counter() - started)
+    return slot
 
 
 def restore(mgr: PageTable, pids: np.ndarray) -> None:

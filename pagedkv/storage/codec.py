@@ -27,6 +27,7 @@ _LEN = struct.Struct("<I")
 _IDENT = struct.Struct("<QI")
 _MAX_HEADER = 1024
 _RUN_MIN = 4096  # bytes: shorter filled runs are checksummed from one copy of them all
+_SMALL_PAGE = 4096  # bytes: pages up to this size are hashed from one copy of their tokens
 _HEADER_KEYS = frozenset({"v", "uid", "dtype", "shape", "fill", "codec", "csum", "nbytes"})
 
 
@@ -56,10 +57,15 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     bytes (or a stale fill) fails; the seed is the store's, so a pool file swapped
     in from another store fails as well.
     """
+    tokens = page.shape[2]
+    if page.nbytes <= _SMALL_PAGE:
+        # One call over one short buffer: the streaming hasher's setup costs more than
+        # hashing a small page (xxh3 streams, so the digest is the same).
+        body = page.tobytes() if fill == tokens else page[:, :, :fill].tobytes()
+        return xxhash.xxh3_64_intdigest(_IDENT.pack(uid, fill) + body, seed)
     hasher = xxhash.xxh3_64(seed=seed)
     hasher.update(_IDENT.pack(uid, fill))
     # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
-    tokens = page.shape[2]
     if fill == tokens:
         hasher.update(np.ascontiguousarray(page).view(np.uint8).data)
     elif fill:
@@ -117,7 +123,8 @@ class RecordLayout:
     version wrote can be recognised by comparing bytes (``match_raw``).
     """
 
-    __slots__ = ("_shape", "dtype", "np_dtype", "page_nbytes", "page_shape")
+    __slots__ = ("_before_fill", "_before_uid", "_codec_fields", "_nbytes_field", "_raw_middles",
+                 "_raw_tail", "_shape", "dtype", "np_dtype", "page_nbytes", "page_shape")
 
     def __init__(self, geom: Geometry) -> None:
         self.dtype = geom.dtype
@@ -125,12 +132,37 @@ class RecordLayout:
         self.page_shape = geom.page_shape
         self.page_nbytes = geom.page_nbytes
         self._shape = list(self.page_shape)
+        # The header's msgpack bytes between its integers, in the map's key order: a
+        # header is these pieces with the integers packed in between (see prefix).
+        packb = msgpack.packb
+        self._before_uid: bytes = b"\x88" + packb("v") + packb(RECORD_VERSION) + packb("uid")
+        self._before_fill: bytes = (packb("dtype") + packb(self.dtype) + packb("shape")
+                                    + packb(self._shape) + packb("fill"))
+        self._codec_fields: dict[str, bytes] = {
+            name: packb("codec") + packb(name) + packb("csum") for name in CODECS}
+        self._nbytes_field: bytes = packb("nbytes")
+        # A raw header's pieces after the uid, for each possible fill, and after the checksum.
+        self._raw_middles = [self._before_fill + _uint(fill) + self._codec_fields["raw"]
+                             for fill in range(geom.page_size + 1)]
+        self._raw_tail: bytes = self._nbytes_field + _uint(self.page_nbytes)
 
     def prefix(self, uid: int, fill: int, codec: str, csum: int, nbytes: int) -> bytes:
-        """The bytes before a record's payload: u32 header length, then the msgpack header."""
-        header: bytes = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
-                                       "shape": self._shape, "fill": fill, "codec": codec,
-                                       "csum": csum, "nbytes": nbytes})
+        """The bytes before a record's payload: u32 header length, then the msgpack header.
+
+        The header is the msgpack map ``{"v", "uid", "dtype", "shape", "fill",
+        "codec", "csum", "nbytes"}`` in that order, assembled from constant
+        pieces and the integers packed as msgpack packs them (the smallest
+        unsigned format): the same bytes, without building a dict per page.
+        """
+        fields = self._codec_fields.get(codec)
+        if fields is None or not (0 <= uid < 1 << 64 and 0 <= fill < 1 << 64 and 0 <= csum < 1 << 64
+                                  and 0 <= nbytes < 1 << 64):
+            header: bytes = msgpack.packb({"v": RECORD_VERSION, "uid": uid, "dtype": self.dtype,
+                                           "shape": self._shape, "fill": fill, "codec": codec,
+                                           "csum": csum, "nbytes": nbytes})
+            return _LEN.pack(len(header)) + header
+        header = b"".join((self._before_uid, _uint(uid), self._before_fill, _uint(fill), fields,
+                           _uint(csum), self._nbytes_field, _uint(nbytes)))
         return _LEN.pack(len(header)) + header
 
     def match_raw(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> np.ndarray | None:
@@ -139,21 +171,60 @@ class RecordLayout:
         Such a header passes every check of ``decode_record`` by construction, so
         only the payload's length is left to check (its checksum is the caller's).
         Returns None for any other record, valid or not: the caller then takes
-        the full path, which reports what is wrong.
+        the full path, which reports what is wrong. The expected header is
+        ``prefix``'s, from the pieces it precomputed for a raw page.
         """
-        if not 0 <= fill <= self.page_shape[2]:
+        if not (0 <= fill <= self.page_shape[2] and 0 <= uid < 1 << 64 and 0 <= csum < 1 << 64):
             return None
-        prefix = self.prefix(uid, fill, "raw", csum, self.page_nbytes)
-        start = len(prefix)
-        if len(value) != start + self.page_nbytes or value[:start] != prefix:
+        header = b"".join((self._before_uid, _uint(uid), self._raw_middles[fill], _uint(csum),
+                           self._raw_tail))
+        start = _LEN.size + len(header)
+        # Compared as bytes: a memoryview compares element by element, 3x slower.
+        if len(value) != start + self.page_nbytes or \
+                memoryview(value)[:start].tobytes() != _LEN.pack(len(header)) + header:
             return None
-        return np.frombuffer(value, dtype=self.np_dtype, offset=start).reshape(self.page_shape)
+        return np.ndarray(self.page_shape, self.np_dtype, value, start)
+
+
+_UINT8, _UINT16, _UINT32, _UINT64 = (struct.Struct(">BB"), struct.Struct(">BH"), struct.Struct(">BI"),
+                                     struct.Struct(">BQ"))
+_FIXINTS = [bytes((value,)) for value in range(0x80)]
+
+
+def _uint(value: int) -> bytes:
+    """An unsigned integer (below 2**64) as msgpack packs it: fixint, then uint 8/16/32/64."""
+    if value > 0xFFFFFFFF:  # most checksums
+        return _UINT64.pack(0xCF, value)
+    if value > 0xFFFF:
+        return _UINT32.pack(0xCE, value)
+    if value > 0xFF:
+        return _UINT16.pack(0xCD, value)
+    if value >= 0x80:
+        return _UINT8.pack(0xCC, value)
+    return _FIXINTS[value]
 
 
 @functools.lru_cache(maxsize=32)
-def record_layout(geom: Geometry) -> RecordLayout:
-    """The shared ``RecordLayout`` of ``geom``."""
+def _layout_of(geom: Geometry) -> RecordLayout:
     return RecordLayout(geom)
+
+
+_last_layout: tuple[Geometry, RecordLayout] | None = None
+
+
+def record_layout(geom: Geometry) -> RecordLayout:
+    """The shared ``RecordLayout`` of ``geom``.
+
+    The last one asked for is kept beside the cache and found by identity:
+    hashing a geometry costs a one-page read more than the rest of this lookup.
+    """
+    global _last_layout
+    last = _last_layout
+    if last is not None and last[0] is geom:
+        return last[1]
+    layout = _layout_of(geom)
+    _last_layout = (geom, layout)
+    return layout
 
 
 def decode_record(geom: Geometry, value: bytes | memoryview, uid: int,

@@ -8,12 +8,12 @@ order is numeric order.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import resource
 import struct
 import threading
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
@@ -161,6 +161,78 @@ class _Borrowed:
         return None
 
 
+class _ReadersGate(threading.Condition):
+    """What map growth waits on until no read transaction is open; it knows whether anyone waits.
+
+    The last reader to leave wakes the waiters only when there are some: a
+    notify per read transaction was a fifth of a one-page read.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waiting = 0  # threads inside wait(); changed under the lock
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """``Condition.wait``, counted in ``waiting``."""
+        self.waiting += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
+class _Reading(AbstractContextManager[Any]):
+    """``SpillStore.background_read``: a counted read transaction, for one ``with``.
+
+    A class rather than a generator, and the count taken through the
+    condition's own lock methods: a one-page read opens one per call, and the
+    generator's machinery cost more than LMDB's begin and end.
+    """
+
+    __slots__ = ("spill", "txn")
+
+    def __init__(self, spill: SpillStore) -> None:
+        self.spill = spill
+        self.txn: lmdb.Transaction | None = None
+
+    def __enter__(self) -> lmdb.Transaction:
+        spill = self.spill
+        readers = spill._readers
+        readers.acquire()
+        spill._reading += 1
+        readers.release()
+        try:
+            try:
+                txn = spill.env.begin(buffers=True)
+            except lmdb.ReadersFullError:
+                spill.env.reader_check()  # slots of killed readers
+                txn = spill.env.begin(buffers=True)
+        except BaseException:
+            self._done()
+            raise
+        self.txn = txn
+        return txn
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        txn, self.txn = self.txn, None
+        try:
+            if txn is not None:
+                txn.__exit__(exc_type, exc, tb)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        spill = self.spill
+        readers = spill._readers
+        readers.acquire()
+        try:
+            spill._reading -= 1
+            if not spill._reading and readers.waiting:  # what map growth waits for
+                readers.notify_all()
+        finally:
+            readers.release()
+
+
 class SpillStore:
     """A thin, typed wrapper over the LMDB environment of one store."""
 
@@ -169,7 +241,7 @@ class SpillStore:
         self.path = path
         self.readonly = readonly
         self._snapshot: lmdb.Transaction | None = None
-        self._readers = threading.Condition()  # guards _reading against map growth
+        self._readers = _ReadersGate()  # guards _reading against map growth
         self._reading = 0
         self._writing = threading.Lock()  # one write transaction at a time across threads
         # Called inside every write transaction before it commits (the writer's record counts).
@@ -332,27 +404,13 @@ class SpillStore:
             return _Borrowed(self._snapshot)
         return self.background_read()
 
-    @contextlib.contextmanager
-    def background_read(self) -> Iterator[Any]:
+    def background_read(self) -> _Reading:
         """A read transaction, counted so that map growth waits until none is open.
 
         Resizing remaps the file under every open transaction of this process, and
         background threads (prefetch, write-behind) read and write beside each other.
         """
-        with self._readers:
-            self._reading += 1
-        try:
-            try:
-                txn = self.env.begin(buffers=True)
-            except lmdb.ReadersFullError:
-                self.env.reader_check()  # slots of killed readers
-                txn = self.env.begin(buffers=True)
-            with txn:
-                yield txn
-        finally:
-            with self._readers:
-                self._reading -= 1
-                self._readers.notify_all()
+        return _Reading(self)
 
     def iterate(self, txn: lmdb.Transaction, db: Any, keys_only: bool = False) -> Iterator[Any]:
         """All (key, value) pairs of ``db`` in key order (or keys only)."""
