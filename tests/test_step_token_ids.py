@@ -162,3 +162,26 @@ def test_steps_with_token_ids_record_every_id_and_hash_every_full_page(stores, s
     store.commit()
     store = stores.reopen(store, pool_pages=96)
     _check(store, ids)
+
+
+def test_page_tokens_keeps_ids_through_growth_and_shrinking(seed) -> None:
+    from pagedkv.pages.tokens import PageTokens
+
+    rng = np.random.default_rng(seed)
+    tokens, want = PageTokens(PS), {}
+    for round_ in range(6):
+        for pid in range(round_ * 500, round_ * 500 + 500):  # grows the slab past its first sizes
+            ids = rng.integers(0, 1 << 32, rng.integers(1, PS + 1), dtype=np.uint64).astype(np.uint32)
+            tokens.set(pid, ids)
+            want[pid] = ids
+        rows = tokens.rows(list(want))
+        assert (tokens.owner[rows] == np.array(list(want))).all()
+        gone = [pid for pid in want if rng.random() < 0.9]
+        tokens.drop_many(gone)  # mostly empty: shrinks, renumbering the rows held
+        for pid in gone:
+            del want[pid]
+        assert len(tokens.lens) <= max(64, 4 * len(want))
+        stale = tokens.rows_hinted(np.array(list(want), np.int64), rows[:len(want)])
+        assert (tokens.owner[stale] == np.array(list(want))).all(), "a stale hint was trusted"
+        for pid, ids in want.items():
+            assert tokens.get(pid).tolist() == ids.tolist()

@@ -28,7 +28,7 @@ class PageTokens:
         self.slab: NDArray[np.uint32] = np.empty((0, page_size), TOKEN_DTYPE)
         self.lens: NDArray[np.int32] = np.empty(0, np.int32)
         self.row_of: dict[int, int] = {}  # page row (pid) -> slab row
-        self.owner: NDArray[np.int64] = np.empty(0, np.int64)  # slab row -> page row (-1: spare)
+        self.owner: NDArray[np.int32] = np.empty(0, np.int32)  # slab row -> page row (-1: spare)
         self._spare: list[int] = []  # slab rows no page holds
 
     def __len__(self) -> int:
@@ -100,23 +100,43 @@ class PageTokens:
             self._spare.append(row)
 
     def drop_many(self, pids: list[int]) -> None:
-        """``drop`` for each of ``pids``."""
+        """``drop`` for each of ``pids``; a slab left mostly empty (a commit after a prefill) shrinks."""
         if self.row_of:
             for pid in pids:
                 self.drop(pid)
+            if len(self.lens) > _MIN_ROWS and len(self.lens) > 4 * len(self.row_of):
+                self._resize(max(_MIN_ROWS, 2 * len(self.row_of)))
+
+    def _grow(self) -> None:
+        """Twice the rows; held rows keep their numbers (callers may hold them)."""
+        old = len(self.lens)
+        size = max(_MIN_ROWS, 2 * old)
+        slab = np.empty((size, self.page_size), TOKEN_DTYPE)
+        slab[:old] = self.slab
+        lens = np.zeros(size, np.int32)
+        lens[:old] = self.lens
+        owner = np.full(size, -1, np.int32)
+        owner[:old] = self.owner
+        self.slab, self.lens, self.owner = slab, lens, owner
+        self._spare.extend(range(size - 1, old - 1, -1))
+
+    def _resize(self, size: int) -> None:
+        """Move the held rows to the front of a slab of ``size`` rows (held rows are renumbered:
+        only between operations, never while a caller holds row numbers)."""
+        pids, old = list(self.row_of), np.fromiter(self.row_of.values(), np.int64, len(self.row_of))
+        slab = np.empty((size, self.page_size), TOKEN_DTYPE)
+        slab[:len(old)] = self.slab[old]
+        lens = np.zeros(size, np.int32)
+        lens[:len(old)] = self.lens[old]
+        owner = np.full(size, -1, np.int32)
+        owner[:len(old)] = pids
+        self.slab, self.lens, self.owner = slab, lens, owner
+        self.row_of = dict(zip(pids, range(len(pids))))
+        self._spare = list(range(size - 1, len(pids) - 1, -1))
 
     def _take(self, pid: int) -> int:
         if not self._spare:
-            old = len(self.lens)
-            size = max(_MIN_ROWS, 2 * old)
-            slab = np.empty((size, self.page_size), TOKEN_DTYPE)
-            slab[:old] = self.slab
-            lens = np.zeros(size, np.int32)
-            lens[:old] = self.lens
-            owner = np.full(size, -1, np.int64)
-            owner[:old] = self.owner
-            self.slab, self.lens, self.owner = slab, lens, owner
-            self._spare.extend(range(size - 1, old - 1, -1))
+            self._grow()
         row = self._spare.pop()
         self.row_of[pid] = row
         self.owner[row] = pid
