@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-import pagedkv.step
+import pagedkv.stepplan
 from pagedkv import PoolExhausted
 
 from tests.kits.model import Model
@@ -118,8 +118,8 @@ def _run(stores, name: str, seed: int) -> tuple[list, dict]:
 
 def test_small_decode_steps_plan_the_same_with_python_ints_and_with_numpy(stores, seed, monkeypatch) -> None:
     print(f"seed {seed}")
-    assert pagedkv.step._FEW >= 3, "the workload's batches of 1-4 must take the Python-int plan"
+    assert pagedkv.stepplan._FEW >= 3, "the workload's batches of 1-4 must take the Python-int plan"
     as_is = _run(stores, "python-ints", seed)
-    monkeypatch.setattr(pagedkv.step, "_FEW", 0)  # every step takes the numpy plan
+    monkeypatch.setattr(pagedkv.stepplan, "_FEW", 0)  # every step takes the numpy plan
     vectorised = _run(stores, "numpy", seed)
     assert as_is == vectorised

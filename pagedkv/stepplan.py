@@ -1,0 +1,476 @@
+"""Planning a step: block tables, slot mapping and sequence lengths over pinned pages.
+
+The per-sequence work is a handful of attribute reads; everything else is
+vectorised over the batch, except for decode steps of a few sequences, planned
+with Python ints where numpy's per-call cost would dominate. Like a persistent
+batch in an engine, the block table of the previous step is kept and only grown
+rows are rewritten, as long as no page of the batch has moved and no block table
+has changed since; so are each row's last page, its fill and the slab row of its
+token ids.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from typing import Any, Mapping, cast
+
+import numpy as np
+
+from . import datapath
+from .core import StoreCore
+from .datapath import cow_last
+from .errors import PagedKVError, PoolExhausted
+from .pages.prefix import seal, split_ids, step_token_ids, write_tokens
+from .pages.sequence import PerSequence, SeqId, Sequence
+from .pages.directory import HAS_TOKENS, ONE
+
+
+class StepState:
+    """What a step is: its sequences, new tokens and ids, and, once planned, its outputs and pins.
+
+    ``Step`` (step.py) is the context manager over it; ``begin`` and ``end`` below
+    fill and release it.
+    """
+
+    def __init__(self, store: StoreCore, new_tokens: PerSequence[int],
+                 tokens: PerSequence[Any] | None = None) -> None:
+        counts = parse_counts(new_tokens)
+        tokens = tokens or {}
+        if tokens and (not isinstance(tokens, abc.Mapping) or not tokens.keys() <= new_tokens.keys()):
+            raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
+        counts_of = cast("Mapping[SeqId, int]", new_tokens)  # keys were checked against new_tokens just above
+        self.seq_ids: list[SeqId] = list(new_tokens)
+        self.decode = counts.count(1) == len(counts)  # one new token per sequence
+        self._ids: dict[SeqId, np.ndarray] | None = {}
+        self._ids_parts: tuple[list[SeqId], list[int], np.ndarray] | None = None
+        # Every new token's id in row order, when each sequence of the step has its ids
+        # and they come in the step's order (the vectorised path of a decode step).
+        self.ordered_ids: np.ndarray | None = None
+        self.has_ids = bool(tokens)
+        if tokens:
+            keys = list(tokens)
+            lengths, flat = step_token_ids(tokens, counts_of, self.decode)
+            self._ids, self._ids_parts = None, (keys, lengths, flat)
+            if self.decode and keys == self.seq_ids:
+                self.ordered_ids = flat  # one id per row
+        self._store = store
+        self.new_tokens = counts
+        self.block_tables = np.empty((0, 0), np.int32)
+        self.slot_mapping = np.empty(0, np.int64)
+        self.seq_lens = np.empty(0, np.int32)
+        self._seqs: list[Sequence] = []
+        self._undo: tuple[Any, ...] = ()  # lengths, pages, last pages, their fills (arrays or lists)
+        self._held = _NONE  # the slots of the step's existing pages, pinned (a slot per reference)
+        self._extra: list[int] = []  # slots pinned one by one: new pages and copies
+        self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
+
+    @property
+    def token_ids(self) -> dict[SeqId, np.ndarray]:
+        """The new tokens' ids per sequence (those the step was given), cut when first asked for."""
+        if self._ids is None:
+            assert self._ids_parts is not None
+            self._ids = split_ids(*self._ids_parts)
+        return self._ids
+
+    def length_before(self, seq: Sequence) -> int:
+        """The length ``seq`` (a member of this active step) had when the step began."""
+        return int(self._undo[0][self._seqs.index(seq)])
+
+
+
+def parse_counts(new_tokens: Any) -> list[int]:
+    """Validate a step's mapping of sequence id -> new token count; return the counts."""
+    # collections.abc, not typing: isinstance against typing's alias costs microseconds a step.
+    if not isinstance(new_tokens, abc.Mapping) or not new_tokens:
+        raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
+    counts = list(new_tokens.values())
+    if set(map(type, counts)) != {int} or min(counts) < 0:
+        for count in counts:
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+                raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
+        counts = [int(count) for count in counts]
+    return counts
+
+
+# Up to this many rows, per-row scalar updates cost less than numpy's per-call overhead.
+_FEW = 4
+_NONE = np.zeros(0, np.int32)
+
+
+class _Batch:
+    """The previous step's sequences and block table, reusable while nothing they depend on changed.
+
+    ``lengths`` and ``npages`` are the sequences' state after that step; with the
+    set of its sequences and their keys they spare the next step of the same
+    batch one Python pass per sequence each.
+    """
+
+    def __init__(self, seq_ids: list[SeqId], seqs: list[Sequence], tables: np.ndarray,
+                 table_epoch: int, evict_epoch: int, lengths: np.ndarray, npages: np.ndarray,
+                 members: frozenset[Sequence], by_key: dict[bytes, Sequence], rows: np.ndarray,
+                 last_pids: np.ndarray | None, last_fill: np.ndarray | None,
+                 last_slab: np.ndarray | None) -> None:
+        self.seq_ids, self.seqs, self.tables = seq_ids, seqs, tables
+        self.table_epoch, self.evict_epoch = table_epoch, evict_epoch
+        self.lengths, self.npages, self.members, self.by_key = lengths, npages, members, by_key
+        self.rows = rows  # arange(len(seqs))
+        # Each row's last page and its fill: only block-table changes (which end the batch)
+        # and steps move them, and a step leaves them here.
+        self.last_pids, self.last_fill = last_pids, last_fill
+        self.last_slab = last_slab  # their slab rows of token ids (a hint: PageTokens checks it)
+
+
+def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
+    """Slots a step needs at once: distinct existing pages, copies and new pages."""
+    mgr, page_size = store._mgr, store.geometry.page_size
+    existing = np.concatenate([seq.table for seq in seqs]) if seqs else np.empty(0, np.int64)
+    total = len(np.unique(existing))
+    for seq, count in zip(seqs, new_tokens):
+        if not count:
+            continue
+        total += -(-(seq.length + count) // page_size) - seq.npages
+        if seq.length % page_size and mgr.ref[seq.pids[seq.npages - 1]] > 1:
+            total += 1
+    return total
+
+
+def begin(store: StoreCore, step: StepState) -> None:
+    """Plan and pin a step (called with the store lock held).
+
+    A step's fixed cost is a count of numpy calls (about a microsecond each), so
+    each array below is computed once and the decode case (one token per row)
+    skips the masks it cannot need.
+    """
+    mgr, page_size, known = store._mgr, store.geometry.page_size, store._seqs
+    batch = known.batch
+    if batch is None or batch.table_epoch != known.epoch or batch.seq_ids != step.seq_ids:
+        batch = None
+        get = known.get
+        found = [get(seq_id) for seq_id in step.seq_ids]
+        if None in found or not set(map(type, step.seq_ids)) <= {str, int}:
+            seqs = [known.find(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
+        else:
+            seqs = cast("list[Sequence]", found)
+        members = frozenset(seqs)
+        lengths = npages = rows = _NONE
+    else:  # the same batch as the last step, and no block table changed since
+        seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
+    known.check_idle(members)
+    if step.decode and len(seqs) <= _FEW:
+        _begin_few(store, step, seqs, members, batch)
+        return
+    if rows is _NONE:  # a new batch, or one the Python-int plan made: no arrays yet
+        lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
+        npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
+        rows = np.arange(len(seqs))
+    decode = step.decode
+    offsets = lengths % page_size
+    if decode:  # a row grows exactly when its last page is full (or it has none)
+        counts = np.ones(len(seqs), np.int64)
+        after = lengths + 1
+        growing = offsets == 0
+        new_npages = npages + growing
+        new_pages = int(np.count_nonzero(growing))
+        partial = ~growing
+    else:
+        counts = np.asarray(step.new_tokens, np.int64)
+        after = lengths + counts
+        new_npages = (after + (page_size - 1)) // page_size
+        growing = new_npages > npages
+        new_pages = int((new_npages - npages).sum())
+        partial = (offsets != 0) & (counts > 0)
+    width = int(new_npages.max())
+    tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
+    if batch is not None and batch.last_pids is not None:  # pids and fills as the last step left them
+        last_pids, last_fill = batch.last_pids, batch.last_fill
+    else:
+        last_pids = np.where(npages > 0, mgr.slot_pid[tables[rows, np.maximum(npages - 1, 0)]], -1)
+        last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
+    cow = partial & (mgr.ref[last_pids] > 1)
+    copies = int(np.count_nonzero(cow))
+    held = tables[tables >= 0]
+    if reused:
+        mgr.stats.add("resident_hits", len(held))
+    needed = len(held) + new_pages + copies
+    if needed > mgr.available():
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    np.add.at(mgr.pins, held, ONE)
+    step._held = held
+    step._seqs = seqs
+    grows = np.flatnonzero(growing | cow if copies else growing)
+    step._undo = (lengths, npages, last_pids, last_fill)
+    next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
+    next_slab = np.full(len(seqs), -1, np.int64)  # their slab rows of token ids, where known
+    try:
+        if len(grows) and (not step.has_ids or step.ordered_ids is not None):
+            # Rows that start exactly one fresh page (decode crossing a page boundary)
+            # get their pages in one batch; the others go page by page.
+            fresh = grows[~cow[grows]] if decode else \
+                grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
+            if len(fresh):
+                next_pids[fresh], slab = _fresh_pages(store, step, seqs, fresh, counts, npages, tables)
+                if slab is not None:
+                    next_slab[fresh] = slab
+                next_fill[fresh] = counts[fresh]
+                grows = grows[cow[grows]] if decode else np.setdiff1d(grows, fresh, assume_unique=True)
+        for row in grows.tolist():
+            seq = seqs[row]
+            _grow(store, step, seq, step.new_tokens[row], tables[row])
+            next_pids[row] = pid = int(seq.pids[seq.npages - 1])
+            next_fill[row] = mgr.fill[pid]
+        inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else partial)
+        if len(inplace):
+            pids = last_pids[inplace]
+            fills = last_fill[inplace] + (1 if decode else counts[inplace])
+            next_fill[inplace] = fills
+            if len(inplace) <= _FEW:
+                for pid, fill in zip(pids.tolist(), fills.tolist()):
+                    mgr.mark_written(pid, fill)
+            else:
+                mgr.mark_written_many(pids, fills)
+            if step.has_ids or mgr.tokens_seen:
+                hint = None if batch is None or batch.last_slab is None else batch.last_slab[inplace]
+                slab_rows = _inplace_tokens(store, step, seqs, inplace, pids, offsets, hint)
+                if slab_rows is not None:
+                    next_slab[inplace] = slab_rows
+    except BaseException:
+        end(store, step, ok=False)
+        raise
+    for seq, length in zip(seqs, after.tolist()):
+        seq.length = length
+    step.members = members
+    known.busy[id(step)] = step
+    by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
+    if decode or counts.all():
+        known.dirty.update(by_key)
+    else:
+        known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
+    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
+                         after, new_npages, members, by_key, rows, next_pids, next_fill, next_slab)
+    _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
+
+
+def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members: frozenset[Sequence],
+               batch: _Batch | None) -> None:
+    """``begin`` for a decode step of at most ``_FEW`` sequences, planned with Python ints.
+
+    The same plan as the vectorised one (``tests/test_step_paths.py`` runs both on
+    the same workload): there, a numpy call per array costs more than the rows do.
+    """
+    mgr, page_size, known = store._mgr, store.geometry.page_size, store._seqs
+    lengths = [seq.length for seq in seqs]
+    npages = [seq.npages for seq in seqs]
+    new_npages = [n + (length % page_size == 0) for length, n in zip(lengths, npages)]
+    new_pages = sum(new_npages) - sum(npages)
+    width = max(new_npages)
+    tables, reused = _tables(store, step, seqs, np.asarray(npages, np.int64), width, batch, new_pages)
+    last_pids = [int(seq.pids[n - 1]) if n else -1 for seq, n in zip(seqs, npages)]
+    last_fill = [int(mgr.fill[pid]) if pid >= 0 else 0 for pid in last_pids]
+    grows, inplace, copies = [], [], 0
+    for row, (length, pid) in enumerate(zip(lengths, last_pids)):
+        if length % page_size == 0:
+            grows.append(row)
+        elif mgr.ref[pid] > 1:  # a shared partial page: copied on write
+            grows.append(row)
+            copies += 1
+        else:
+            inplace.append(row)
+    held = tables[tables >= 0]
+    if reused:
+        mgr.stats.add("resident_hits", len(held))
+    needed = len(held) + new_pages + copies
+    if needed > mgr.available():
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    np.add.at(mgr.pins, held, ONE)
+    step._held = held
+    step._seqs = seqs
+    step._undo = (lengths, npages, last_pids, last_fill)
+    try:
+        for row in grows:
+            _grow(store, step, seqs[row], 1, tables[row])
+        for row in inplace:
+            pid = last_pids[row]
+            mgr.mark_written(pid, last_fill[row] + 1)
+            if step.has_ids or mgr.flags[pid] & HAS_TOKENS:
+                write_tokens(mgr, pid, lengths[row] % page_size, step.token_ids.get(seqs[row].seq_id))
+    except BaseException:
+        end(store, step, ok=False)
+        raise
+    after = [length + 1 for length in lengths]
+    for seq, length in zip(seqs, after):
+        seq.length = length
+    step.members = members
+    known.busy[id(step)] = step
+    by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
+    known.dirty.update(by_key)
+    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, _NONE, _NONE,
+                         members, by_key, _NONE, None, None, None)
+    step.block_tables = tables[:, :width].copy()
+    step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
+                                  for row, length in enumerate(lengths)], np.int64)
+    step.seq_lens = np.array(after, np.int32)
+    mgr.touch(held)
+
+
+def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.ndarray,
+            width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool]:
+    """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
+
+    Also says whether the table is the last step's (its pages counted as hits here).
+    """
+    mgr = store._mgr
+    if batch is not None and batch.evict_epoch == mgr.evict_epoch:
+        tables = batch.tables
+        if tables.shape[1] >= width:
+            return tables, True
+        wider = np.full((len(seqs), max(width, 2 * tables.shape[1])), -1, np.int32)
+        wider[:, :tables.shape[1]] = tables
+        return wider, True
+    pids = np.concatenate([seq.table for seq in seqs])
+    if len(pids) + new_pages + len(seqs) > mgr.available():  # shared pages and copies: count exactly
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
+    mgr.verify_many(pids)
+    tables = np.full((len(seqs), max(width, 1)), -1, np.int32)
+    starts = np.cumsum(npages) - npages
+    rows = np.repeat(np.arange(len(seqs)), npages)
+    tables[rows, np.arange(len(pids)) - starts[rows]] = slots
+    return tables, False
+
+
+def _fresh_pages(store: StoreCore, step: StepState, seqs: list[Sequence], rows: np.ndarray,
+                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """One new page for each of ``rows``, holding its new tokens, in one batch.
+
+    With token ids, each row has one new token (``Step.ordered_ids``). Returns the
+    pages and, with ids, their slab rows of token ids.
+    """
+    mgr = store._mgr
+    pids = mgr.new_pages(counts[rows])
+    slab = None if step.ordered_ids is None else mgr.start_tokens(pids, step.ordered_ids[rows])
+    slots = mgr.slot[pids]
+    mgr.pins[slots] += 1  # new pages: distinct slots
+    step._extra.extend(slots.tolist())
+    tables[rows, npages[rows]] = slots
+    for row, pid in zip(rows.tolist(), pids.tolist()):
+        seqs[row].push(pid)
+    return pids, slab
+
+
+def _grow(store: StoreCore, step: StepState, seq: Sequence, count: int, row: np.ndarray) -> None:
+    """Give ``seq`` room for ``count`` more tokens, writing new slots into its table row."""
+    mgr, page_size = store._mgr, store.geometry.page_size
+    token_ids = step.token_ids.get(seq.seq_id)
+    length, done = seq.length, 0
+    offset = length % page_size
+    if offset:
+        last = int(seq.pids[seq.npages - 1])
+        if mgr.ref[last] > 1:
+            last = cow_last(store, seq)
+            slot = int(mgr.slot[last])
+            row[seq.npages - 1] = slot
+            _pin(mgr, step, slot)
+        take = min(count, page_size - offset)
+        mgr.mark_written(last, offset + take)
+        write_tokens(mgr, last, offset, None if token_ids is None else token_ids[:take])
+        done = take
+    while done < count:
+        pid = mgr.new_page()
+        slot = int(mgr.slot[pid])
+        _pin(mgr, step, slot)
+        seq.push(pid)
+        row[seq.npages - 1] = slot
+        take = min(count - done, page_size)
+        mgr.mark_written(pid, take)
+        write_tokens(mgr, pid, 0, None if token_ids is None else token_ids[done:done + take])
+        done += take
+
+
+def _pin(mgr: Any, step: StepState, slot: int) -> None:
+    mgr.pins[slot] += 1
+    step._extra.append(slot)
+
+
+def _inplace_tokens(store: StoreCore, step: StepState, seqs: list[Sequence], rows: np.ndarray,
+                    pids: np.ndarray, offsets: np.ndarray, hint: np.ndarray | None) -> np.ndarray | None:
+    """Token ids of tokens written into existing last pages (only where ids are involved).
+
+    One token per row into a page whose earlier ids are in memory (a decode step)
+    is one indexed write for all such rows; the rest go page by page. ``hint``: the
+    pages' slab rows as the batch's last step left them. Returns the slab rows of
+    ``pids`` where the indexed write found them (-1 elsewhere), or None.
+    """
+    mgr = store._mgr
+    with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
+    todo = np.flatnonzero(with_ids | step.has_ids)
+    found = None
+    if step.ordered_ids is not None and len(todo):
+        slab_rows = mgr.page_tokens.rows_hinted(pids[todo], None if hint is None else hint[todo])
+        at = offsets[rows[todo]]
+        fast = (slab_rows >= 0) & with_ids[todo]
+        fast[fast] = mgr.page_tokens.lens[slab_rows[fast]] == at[fast]
+        if fast.any():
+            mgr.page_tokens.write_one_each(slab_rows[fast], at[fast], step.ordered_ids[rows[todo[fast]]])
+            found = np.full(len(pids), -1, np.int64)
+            found[todo[fast]] = slab_rows[fast]
+            todo = todo[~fast]
+    for index in todo.tolist():
+        seq_id = seqs[int(rows[index])].seq_id
+        write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
+    return found
+
+
+def _outputs(store: StoreCore, step: StepState, tables: np.ndarray, lengths: np.ndarray,
+             counts: np.ndarray, after: np.ndarray, offsets: np.ndarray, width: int,
+             held: np.ndarray, rows: np.ndarray) -> None:
+    mgr, page_size = store._mgr, store.geometry.page_size
+    step.block_tables = tables[:, :width].copy()  # the batch cache keeps mutating ``tables``
+    if step.decode:  # one token each: at each row's length
+        positions, token_rows, within = lengths, rows, offsets
+    else:
+        total = int(counts.sum())
+        token_rows = np.repeat(rows, counts)
+        positions = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + lengths[token_rows]
+        within = positions % page_size
+    page_slots = tables[token_rows, positions // page_size]
+    step.slot_mapping = page_slots.astype(np.int64) * page_size + within
+    step.seq_lens = after.astype(np.int32)
+    mgr.touch(held)  # the step's new pages were stamped as they were placed
+
+
+def end(store: StoreCore, step: StepState, ok: bool) -> None:
+    """Unpin a step's pages; on failure, roll its new tokens back."""
+    mgr, page_size = store._mgr, store.geometry.page_size
+    try:
+        if step._undo:
+            lengths, npages, last_pids, last_fill = step._undo
+            if not ok:
+                changed = np.flatnonzero(np.asarray(step.new_tokens) > 0).tolist()
+                for row in reversed(changed):
+                    store._seqs.epoch += 1
+                    datapath.truncate(store, step._seqs[row], int(lengths[row]), int(npages[row]),
+                                      int(last_pids[row]), int(last_fill[row]))
+            elif step.has_ids:
+                # Pages are hashed (and so shareable) only once the engine wrote their K/V.
+                before = np.asarray(lengths, np.int64)
+                after = before + np.asarray(step.new_tokens, np.int64)
+                for row in np.flatnonzero(after // page_size > before // page_size).tolist():
+                    seq = step._seqs[row]
+                    for index in range(int(lengths[row]) // page_size, seq.length // page_size):
+                        seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
+    finally:
+        if len(step._held):
+            np.subtract.at(mgr.pins, step._held, ONE)
+        if step._extra:
+            mgr.pins[step._extra] -= 1  # distinct: new pages and copies
+        step._held, step._extra = _NONE, []
+        store._seqs.busy.pop(id(step), None)
