@@ -102,6 +102,11 @@ class BlockManager(PageTable):
         for pid in np.unique(pids[self.ref[pids] <= 0]).tolist():
             self._free(pid)
 
+    def collect_unreferenced(self) -> None:
+        """Free every live page no block table references (after a load): indexed cache pages stay."""
+        for pid in np.flatnonzero(self.live & (self.ref == 0)).tolist():
+            self._free(pid)
+
     def _free(self, pid: int) -> None:
         if self.flags[pid] & HASHED:
             # Kept as cache (evictable like any page, found again by its hash), unless

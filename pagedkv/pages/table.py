@@ -16,6 +16,7 @@ restore (``restore.py``) work on a ``PageTable``; the block manager
 from __future__ import annotations
 
 import logging
+from array import array
 from typing import Callable
 
 import numpy as np
@@ -27,7 +28,7 @@ from ..storage.codec import page_checksum
 from ..storage.metarecord import TAG_TOKENS, dir_value, unseal
 from ..storage.pool import PagePool
 from ..storage.spill import SpillStore, uid_key
-from .directory import CODEC_SHIFT, HAS_TOKENS, NOWHERE, REC_CURRENT, REC_NONE, REC_STALE, Directory
+from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURRENT, REC_NONE, REC_STALE, Directory
 from .pending import PendingRows
 from .prefix import PrefixIndex
 from .tokens import PageTokens
@@ -206,6 +207,96 @@ class PageTable(Directory):
                          int(self.c_csum[pid]) if csum is None else csum,
                          int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]),
                          int(self.parent[pid]), int(self.chain[pid]), self.seed)
+
+    # -- the committed state ------------------------------------------------
+    def load_committed(self, uids: np.ndarray, rows: np.ndarray, record_bytes: list[int],
+                       spill_bytes: int, stamps: np.ndarray | None, next_uid: int, tick: int) -> None:
+        """Become the state a commit recorded: directory ``rows`` (checked) of pages ``uids``.
+
+        Rows take the directory's first rows in key order; a resident page's slot is
+        both its live and its committed placement, a spilled one has a current
+        record of ``record_bytes``; ``stamps`` are the slots' LRU stamps as committed.
+        """
+        count = len(uids)
+        if self._cap < count + 1:
+            self._grow(count + max(64, count // 8))
+        self.free_pids = array("q", range(self._cap - 1, count - 1, -1))
+        pids = np.arange(count)
+        where = rows["where"].astype(np.int32)
+        fill = rows["fill"].astype(np.int64)
+        resident = where >= 0
+        self.uid[:count] = uids
+        self.live[:count] = True
+        self.c_where[:count] = where
+        self.slot[:count] = np.where(resident, where, -1)
+        self.fill[:count] = self.c_fill[:count] = fill
+        self.csum[:count] = self.c_csum[:count] = rows["csum"]
+        self.csum_ok[:count] = True
+        self.verified[:count] = ~resident  # resident bytes are checked on first use
+        self.rec[:count] = np.where(resident, REC_NONE, REC_CURRENT)
+        flags = rows["flags"]
+        self.flags[:count] = self.c_flags[:count] = flags & ((1 << CODEC_SHIFT) - 1)
+        self.codec[:count] = (flags >> CODEC_SHIFT) & 3
+        self.tokens_seen = bool((flags & HAS_TOKENS).any())
+        if (flags & HASHED).any() or rows["parent"].any():
+            self.track_hashes()
+            self.hash[:count] = rows["hash"]
+            self.parent[:count] = rows["parent"]
+            self.chain[:count] = rows["chain"]
+        self.rec_bytes[:count] = record_bytes
+        self.spill_bytes = spill_bytes
+        self.prefix.add_many(np.flatnonzero(flags & HASHED), self.hash)
+        self.slot_pid[where[resident]] = pids[resident]
+        self.slot_cpid[where[resident]] = pids[resident]
+        if stamps is not None:
+            self.stamp[:] = stamps
+        self.free_slots = np.flatnonzero(self.slot_pid < 0)[::-1].tolist()
+        self.next_uid = next_uid
+        self.tick = max(tick, int(self.stamp.max()))
+
+    def set_references(self, pids: np.ndarray) -> None:
+        """The committed block tables reference ``pids`` (duplicates count): live and committed refcounts."""
+        self.ref[:] = 0
+        np.add.at(self.ref, pids, ONE)
+        self.c_ref[:] = self.ref
+
+    def settle_commit(self, noted: np.ndarray, pids: np.ndarray, where: np.ndarray, zombies: np.ndarray,
+                      gone: np.ndarray) -> None:
+        """Make the state a commit just wrote the committed view (``persist.commit``, after LMDB returned).
+
+        ``noted`` are the rows noted changed, ``pids`` those of them written, at
+        placements ``where``; ``zombies`` are freed pages the commit forgot, ``gone``
+        the pages whose records it deleted. Slots whose committed page moved away
+        join the free list here; every other slot's standing is unchanged by a
+        commit, so the list need not be rebuilt.
+        """
+        self.spill_bytes -= int(self.rec_bytes[gone].sum()) + sum(nbytes for _, nbytes in self.doomed)
+        self.rec_bytes[gone] = 0
+        self.rec[gone] = REC_NONE
+        moved = np.concatenate([pids, zombies])
+        old = self.c_where[moved]
+        held = old >= 0
+        clear = old[held][self.slot_cpid[old[held]] == moved[held]]
+        self.slot_cpid[clear] = -1
+        self.c_where[pids], self.c_fill[pids], self.c_csum[pids] = where, self.fill[pids], self.csum[pids]
+        self.c_flags[pids] = self.flags[pids]
+        resident = where >= 0
+        self.slot_cpid[where[resident]] = pids[resident]
+        if self.page_tokens:  # token ids of full pages now live in the tokens table
+            self.page_tokens.drop_many(pids[self.fill[pids] == self.geom.page_size].tolist())
+        self.c_where[zombies] = NOWHERE
+        for pid in zombies.tolist():
+            self._recycle(pid)
+        moved_refs = self.refs_moved.rows()
+        self.c_ref[moved_refs] = self.ref[moved_refs]
+        freed = clear[(self.slot_pid[clear] < 0) & (self.slot_cpid[clear] < 0) & (self.bg_pins[clear] == 0)]
+        self.free_slots.extend(freed.tolist())
+        self.chg[noted] = False
+        self.changed.clear()
+        self.refs_moved.clear()
+        self.dirty_slot[:] = False
+        self.zombies = []
+        self.doomed = []
 
     # -- integrity -----------------------------------------------------------
     def checksum(self, pid: int) -> int:
