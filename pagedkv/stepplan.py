@@ -188,18 +188,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
-    held = tables[tables >= 0]
-    if reused:
-        mgr.stats.add("resident_hits", len(held))
-    needed = len(held) + new_pages + copies
-    if needed > mgr.available():
-        needed = pages_needed(store, seqs, step.new_tokens)
-        if needed > mgr.available():
-            raise PoolExhausted(
-                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    np.add.at(mgr.pins, held, ONE)
-    step._held = held
-    step._seqs = seqs
+    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
@@ -278,18 +267,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
             copies += 1
         else:
             inplace.append(row)
-    held = tables[tables >= 0]
-    if reused:
-        mgr.stats.add("resident_hits", len(held))
-    needed = len(held) + new_pages + copies
-    if needed > mgr.available():
-        needed = pages_needed(store, seqs, step.new_tokens)
-        if needed > mgr.available():
-            raise PoolExhausted(
-                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    np.add.at(mgr.pins, held, ONE)
-    step._held = held
-    step._seqs = seqs
+    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
         for row in grows:
@@ -316,6 +294,28 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
                                   for row, length in enumerate(lengths)], np.int64)
     step.seq_lens = np.array(after, np.int32)
     mgr.touch(held)
+
+
+def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: np.ndarray,
+              reused: bool, extra: int) -> np.ndarray:
+    """Pin the slots of ``tables`` once the step's ``extra`` new pages and copies are known to fit.
+
+    Returns the slots pinned (one per reference): ``end`` unpins them.
+    """
+    mgr = store._mgr
+    held = tables[tables >= 0]
+    if reused:
+        mgr.stats.add("resident_hits", len(held))
+    needed = len(held) + extra
+    if needed > mgr.available():
+        needed = pages_needed(store, seqs, step.new_tokens)
+        if needed > mgr.available():
+            raise PoolExhausted(
+                f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
+    np.add.at(mgr.pins, held, ONE)
+    step._held = held
+    step._seqs = seqs
+    return held
 
 
 def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.ndarray,

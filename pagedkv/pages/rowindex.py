@@ -78,30 +78,18 @@ class RowIndex:
 
     def add(self, digest: bytes, row: int, hashes: np.ndarray) -> bool:
         """Hold ``row`` (whose digest is ``hashes[row]`` == ``digest``) unless it is held already."""
-        view, mask, at = self._probe(digest)
-        reuse = -1
-        while True:
-            found = view[at]
-            if found == row:
-                return False
-            if found == EMPTY:
-                break
-            if found == GONE and reuse < 0:
-                reuse = at
-            at = (at + 1) & mask
-        if reuse < 0:  # the path's empty end
-            reuse = at
-            self.used += 1
-        view[reuse] = row
-        self.count += 1
-        if 10 * self.used > 7 * len(self.slots):
-            self._rebuild(hashes)
-        return True
+        return self._insert(digest, row, hashes, None)
 
     def insert(self, digest: bytes, row: int, hashes: np.ndarray) -> list[int]:
         """``add``, in the same probe returning the other rows held for ``digest`` (probe order)."""
+        equal: list[int] = []
+        self._insert(digest, row, hashes, equal)
+        return equal
+
+    def _insert(self, digest: bytes, row: int, hashes: np.ndarray, equal: list[int] | None) -> bool:
+        """Hold ``row`` unless held; collect into ``equal`` the other rows held for ``digest``."""
         view, mask, at = self._probe(digest)
-        reuse, equal, held = -1, [], False
+        reuse, held = -1, False
         while True:
             found = view[at]
             if found == EMPTY:
@@ -111,19 +99,21 @@ class RowIndex:
                     reuse = at
             elif found == row:
                 held = True
-            elif hashes[found].tobytes() == digest:
+                if equal is None:
+                    return False
+            elif equal is not None and hashes[found].tobytes() == digest:
                 equal.append(found)
             at = (at + 1) & mask
         if held:
-            return equal
-        if reuse < 0:
+            return False
+        if reuse < 0:  # the path's empty end
             reuse = at
             self.used += 1
         view[reuse] = row
         self.count += 1
         if 10 * self.used > 7 * len(self.slots):
             self._rebuild(hashes)
-        return equal
+        return True
 
     def discard(self, digest: bytes, row: int) -> None:
         """Stop holding ``row`` under ``digest`` (nothing if it is not held)."""
