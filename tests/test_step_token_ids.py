@@ -138,7 +138,10 @@ def test_steps_with_token_ids_record_every_id_and_hash_every_full_page(stores, s
             given = {seq: ids.fresh(n) for seq, n in mapping.items() if rng.random() < 0.8}
         if not store.can_step(mapping):
             continue
-        fail = rng.random() < 0.05
+        # A step that writes without ids into a page a fork shares forgets that page's ids for
+        # both sequences, and rolling it back does not bring them back (ids are a cache hint):
+        # so only steps giving every sequence's ids, or none, are rolled back here.
+        fail = rng.random() < 0.05 and (not given or set(given) >= {s for s, n in mapping.items() if n})
         try:
             with store.step(mapping, tokens=given or None) as step:
                 kvs = [model.next_kv(seq, n) for seq, n in mapping.items()]
