@@ -223,8 +223,8 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
 
     New arrays are the two halves of one allocation, as large as a page-layout
     copy of the same tokens would be: fresh memory costs its page faults, and
-    one block of it costs fewer than two. Pages stream through the pool; full
-    pages in consecutive slots are copied as one run.
+    one block of it costs fewer than two. Pages stream through the pool, a
+    chunk of them at a time (``_gather``).
     """
     geom, pool = store.geometry, store._mgr.pool
     page_size = geom.page_size
@@ -240,10 +240,10 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
         def copy_out(index: int, page: np.ndarray) -> None:
             base = index * page_size
             a, b = max(start, base), min(stop, base + page_size)
-            _copy_run(outs, page[np.newaxis], 0, 1, a - base, b - base, a - start)
+            _copy_page(outs, page[np.newaxis], 0, a - base, b - base, a - start)
 
         _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
-    elif last - first == 1:  # one page: the whole output at once, without the run bookkeeping
+    elif last - first == 1:  # one page: the whole output at once, without the chunk machinery
         base = first * page_size
         src = pool[_one_resident(store, int(seq.pids[first])), :, :, start - base:stop - base]
         if out is None:
@@ -257,60 +257,74 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
     return out_k, out_v
 
 
-def _gather(outs: tuple[np.ndarray, ...], pool: np.ndarray, slots: list[int], index: int,
+def _gather(outs: tuple[np.ndarray, ...], pool: np.ndarray, slots: np.ndarray, index: int,
             start: int, stop: int, page_size: int) -> None:
     """Copy the tokens of pages ``index, index + 1, ...`` (in ``slots``) that ``[start, stop)`` covers.
 
-    Full pages in consecutive slots go as one run: one numpy copy per run
-    instead of one per page and K/V, in the outputs' order (layer by layer).
+    A partly covered first or last page is copied on its own, the full pages
+    between them by ``_copy_full_pages``.
     """
-    run_slot = run_pos = run_len = 0
-    for page, slot in enumerate(slots, index):
-        base = page * page_size
+    count = len(slots)
+    lo, hi = 0, count
+    for i in sorted({0, count - 1}):
+        base = (index + i) * page_size
         a, b = max(start, base), min(stop, base + page_size)
-        if b - a == page_size:
-            if run_len and slot == run_slot + run_len:
-                run_len += 1
-                continue
-            if run_len:
-                _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
-            run_slot, run_pos, run_len = slot, a - start, 1
-        else:  # the first or the last page, partly covered
-            if run_len:
-                _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
-                run_len = 0
-            _copy_run(outs, pool, slot, 1, a - base, b - base, a - start)
-    if run_len:
-        _copy_run(outs, pool, run_slot, run_len, 0, page_size, run_pos)
+        if b - a < page_size:
+            _copy_page(outs, pool, int(slots[i]), a - base, b - base, a - start)
+            lo, hi = (1, hi) if i == 0 else (lo, count - 1)
+    if lo < hi:
+        _copy_full_pages(outs, pool, slots[lo:hi], (index + lo) * page_size - start)
 
 
-def _copy_run(outs: tuple[np.ndarray, ...], pool: np.ndarray, slot: int, count: int, a: int, b: int,
-              pos: int) -> None:
-    """Tokens ``[a, b)`` of the pages in slots ``slot .. slot + count`` to output tokens from ``pos`` on.
+def _copy_full_pages(outs: tuple[np.ndarray, ...], pool: np.ndarray, slots: np.ndarray, pos: int) -> None:
+    """Whole pages (in ``slots``) to output tokens from ``pos`` on, one output row at a time.
 
-    ``outs`` is ``(k_out, v_out)``, or one ``(2, layers, n, heads, dim)`` array
-    holding both. Splitting the output's token axis in two (pages, tokens) is
-    always a view, so the copy lands in place whatever the output's strides.
+    A page holds each (layer, K/V) as one contiguous run of its tokens; with
+    the pool seen as rows of such runs, ``np.take`` fills each output row
+    (K or V of one layer) in order from the pages' runs: the output is written
+    front to back, so each freshly faulted page of it is filled while in
+    cache. ``mode="clip"`` because numpy buffers ``out`` for ``"raise"``; the
+    rows are valid by construction. Outputs whose token rows are not
+    contiguous are copied page by page.
     """
-    width = b - a
-    span = count * width
-    if count == 1:
-        src = pool[slot, :, :, a:b]  # (layers, 2, width, heads, dim)
-        if len(outs) == 1:
-            outs[0][:, :, pos:pos + span] = src.swapaxes(0, 1)
-        else:
-            outs[0][:, pos:pos + span] = src[:, 0]
-            outs[1][:, pos:pos + span] = src[:, 1]
-        return
-    run = pool[slot:slot + count, :, :, a:b]  # (count, layers, 2, width, heads, dim)
+    layers, page_size = pool.shape[1], pool.shape[3]
+    count = len(slots)
+    span = count * page_size
+    rows = pool.reshape(-1, pool[0, 0, 0].size)  # row (slot * layers + layer) * 2 + kv
+    first_rows = slots.astype(np.intp) * (2 * layers)
     if len(outs) == 1:
         both = outs[0]
-        dst = both[:, :, pos:pos + span].reshape(2, both.shape[1], count, width, *both.shape[3:])
-        dst[...] = run.transpose(2, 1, 0, 3, 4, 5)
+        if pos == 0 and span == both.shape[2]:  # the whole output: one take of every row in order
+            offsets = np.arange(2)[:, None] + 2 * np.arange(layers)[None, :]  # (K/V, layer)
+            index = (offsets[:, :, None] + first_rows[None, None, :]).reshape(-1)
+            np.take(rows, index, axis=0, out=both.reshape(-1, rows.shape[1]), mode="clip")
+            return
+        arrays: tuple[np.ndarray, ...] = (both[0], both[1])
+    else:
+        arrays = outs
+    if not all(arr[0].flags.c_contiguous for arr in arrays):
+        for i, slot in enumerate(slots.tolist()):
+            _copy_page(outs, pool, slot, 0, page_size, pos + i * page_size)
         return
-    for kv, arr in enumerate(outs):
-        dst = arr[:, pos:pos + span].reshape(arr.shape[0], count, width, *arr.shape[2:])
-        dst[...] = run[:, :, kv].transpose(1, 0, 2, 3, 4)
+    for kv, arr in enumerate(arrays):
+        for layer in range(layers):
+            np.take(rows, first_rows + (2 * layer + kv), axis=0, mode="clip",
+                    out=arr[layer, pos:pos + span].reshape(count, rows.shape[1]))
+
+
+def _copy_page(outs: tuple[np.ndarray, ...], pool: np.ndarray, slot: int, a: int, b: int, pos: int) -> None:
+    """Tokens ``[a, b)`` of the page in ``slot`` to output tokens from ``pos`` on.
+
+    ``outs`` is ``(k_out, v_out)``, or one ``(2, layers, n, heads, dim)`` array
+    holding both.
+    """
+    src = pool[slot, :, :, a:b]  # (layers, 2, tokens, heads, dim)
+    end = pos + b - a
+    if len(outs) == 1:
+        outs[0][:, :, pos:end] = src.swapaxes(0, 1)
+    else:
+        outs[0][:, pos:end] = src[:, 0]
+        outs[1][:, pos:end] = src[:, 1]
 
 
 def read_pages(store: StoreCore, seq: Sequence, first: int, last: int, length: int | None = None) -> np.ndarray:
@@ -343,12 +357,12 @@ def _each_page(store: StoreCore, seq: Sequence, first: int, last: int,
         return
     pool = store._mgr.pool
     for lo, slots in _resident_chunks(store, seq, first, last):
-        for index, slot in enumerate(slots, lo):
+        for index, slot in enumerate(slots.tolist(), lo):
             copy_out(index, pool[slot])
 
 
 def _resident_chunks(store: StoreCore, seq: Sequence, first: int,
-                     last: int) -> Iterator[tuple[int, list[int]]]:
+                     last: int) -> Iterator[tuple[int, np.ndarray]]:
     """Pages ``[first, last)`` as ``(first index, slots)`` chunks, each resident and verified when yielded.
 
     A chunk is as many pages as the pool can hold at once; the next chunk's
@@ -363,7 +377,7 @@ def _resident_chunks(store: StoreCore, seq: Sequence, first: int,
         slots = mgr.ensure_resident(pids)
         mgr.verify_many(pids)
         mgr.verify_committed(pids)
-        yield lo, slots.tolist()
+        yield lo, slots
 
 
 def _one_resident(store: StoreCore, pid: int) -> int:

@@ -157,7 +157,7 @@ def test_out_for_each_dtype(stores, seed, dtype: str) -> None:
                 assert_same_bits(got, want, f"{dtype} {seq}[{start}:{stop}]")
 
 
-def test_runs_of_consecutive_slots_and_scattered_pages(stores, seed) -> None:
+def test_pages_in_consecutive_and_scattered_slots(stores, seed) -> None:
     store = stores.open(pool_pages=24)
     model = Model(seed)
     store.create("run")
@@ -168,12 +168,15 @@ def test_runs_of_consecutive_slots_and_scattered_pages(stores, seed) -> None:
     run_slots = mgr.slot[store._seqs.find("run").pids[:8]]
     x_slots = mgr.slot[store._seqs.find("x").pids[:4]]
     assert (np.diff(run_slots) == 1).all() and not (np.diff(x_slots) == 1).any()
-    for seq, n in (("run", 8 * PS + 2), ("x", 4 * PS)):
-        for start, stop in ((0, n), (1, n), (PS, n - 1), (PS - 1, 3 * PS + 1)):
+    for seq, n in (("run", 8 * PS + 2), ("run", 8 * PS), ("x", 4 * PS)):
+        for start, stop in ((0, n), (1, n), (PS, n - 1), (PS, 3 * PS), (PS - 1, 3 * PS + 1)):
+            want_k, want_v = model.expected(seq, start, stop)
+            fresh_k, fresh_v = store.read(seq, start, stop)
+            assert_same_bits(fresh_k, want_k, f"K of {seq}[{start}:{stop}]")
+            assert_same_bits(fresh_v, want_v, f"V of {seq}[{start}:{stop}]")
             for kind in ("contiguous", "token_major"):
                 k_out, v_out = out_views(stop - start, kind)
                 store.read(seq, start, stop, out=(k_out, v_out))
-                want_k, want_v = model.expected(seq, start, stop)
                 assert_same_bits(k_out, want_k, f"K of {seq}[{start}:{stop}] into {kind}")
                 assert_same_bits(v_out, want_v, f"V of {seq}[{start}:{stop}] into {kind}")
 
