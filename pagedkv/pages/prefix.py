@@ -226,15 +226,13 @@ def write_tokens(mgr: Any, pid: int, offset: int, token_ids: np.ndarray | None) 
     known = offset == 0 or mgr.flags[pid] & HAS_TOKENS
     previous = mgr.page_tokens_of(pid) if offset and known else None
     if token_ids is None or not known or (offset and (previous is None or len(previous) < offset)):
-        mgr.flags[pid] = int(mgr.flags[pid]) & ~HAS_TOKENS
-        mgr.page_tokens.drop(pid)
+        mgr.forget_ids(pid)
         return
     if offset and pid in mgr.page_tokens:
         mgr.page_tokens.write(pid, offset, token_ids)
     else:  # the first ids of a page, or those of a committed partial page, loaded just above
         mgr.page_tokens.set(pid, token_ids if previous is None else np.concatenate([previous[:offset], token_ids]))
-    mgr.flags[pid] |= HAS_TOKENS
-    mgr.tokens_seen = True
+    mgr.know_ids(pid)
 
 
 def seal(mgr: Any, pid: int, parent: int) -> None:
@@ -255,12 +253,6 @@ def seal(mgr: Any, pid: int, parent: int) -> None:
         return
     mgr.track_hashes()
     digest = chain_hash(bytes(mgr.hash[parent]) if parent >= 0 else ROOT, mgr.prefix.salt, token_ids)
-    parent_class = int(mgr.chain[parent]) if parent >= 0 else 0
-    mgr.hash[pid] = digest
-    chain = mgr.prefix.insert(digest, pid, parent_class, token_ids, mgr) or int(mgr.uid[pid])
-    mgr.parent[pid] = parent_class
-    mgr.chain[pid] = chain
-    mgr.flags[pid] |= HASHED
-    mgr.note_changed(pid)
+    mgr.hash_page(pid, digest, int(mgr.chain[parent]) if parent >= 0 else 0, token_ids)
     if mgr.on_seal is not None:
         mgr.on_seal(pid, parent)

@@ -208,6 +208,27 @@ class PageTable(Directory):
                          int(self.c_flags[pid]) | codec << CODEC_SHIFT, bytes(self.hash[pid]),
                          int(self.parent[pid]), int(self.chain[pid]), self.seed)
 
+    # -- token ids and hashes -------------------------------------------------
+    def know_ids(self, pid: int) -> None:
+        """Every id of ``pid``'s tokens is known (held in ``page_tokens`` or committed)."""
+        self.flags[pid] |= HAS_TOKENS
+        self.tokens_seen = True
+
+    def forget_ids(self, pid: int) -> None:
+        """``pid``'s token ids are no longer all known: the page can no longer be hashed."""
+        self.flags[pid] = int(self.flags[pid]) & ~HAS_TOKENS
+        self.page_tokens.drop(pid)
+
+    def hash_page(self, pid: int, digest: bytes, parent_class: int, token_ids: np.ndarray) -> None:
+        """``pid`` (full, its ids known) has the chained hash ``digest`` after chain class
+        ``parent_class``: index it and give it the chain class of an equal page, or its own."""
+        self.hash[pid] = digest  # before the index holds it: a rebuild reads every held row's hash
+        chain = self.prefix.insert(digest, pid, parent_class, token_ids, self) or int(self.uid[pid])
+        self.parent[pid] = parent_class
+        self.chain[pid] = chain
+        self.flags[pid] |= HASHED
+        self.note_changed(pid)
+
     # -- the committed state ------------------------------------------------
     def load_committed(self, uids: np.ndarray, rows: np.ndarray, record_bytes: list[int],
                        spill_bytes: int, stamps: np.ndarray | None, next_uid: int, tick: int) -> None:
