@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,38 @@ import numpy as np
 from ..storage.codec import encode_spill, page_checksum
 from ..pages import evict
 from ..pages.directory import CODEC_SHIFT, NOWHERE, ONE, REC_CURRENT, SPILLED
+from ..pages.spillbatch import Spilled
 from ..storage.metarecord import dir_value, read_dir_value
 from ..storage.spill import uid_key
 from ..storage.codecs import CODECS
 from .host import BackgroundHost
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Victim:
+    """One page of a batch as the thread saw it under the store lock."""
+
+    slot: int
+    pid: int
+    uid: int
+    gen: int  # its write generation: landing compares it with the page's
+    fill: int
+    csum: int | None  # its checksum if known, else computed off the lock
+    current: bool  # its spill record is already the page: nothing to write
+    codec: int  # that record's codec, as its committed entry has it
+    c_fill: int
+    entry: bytes | None  # its committed directory entry (None: no commit recorded it)
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A victim encoded off the lock: its new record (if any) and what landing it means."""
+
+    victim: _Victim
+    record: bytearray | None
+    spilled: Spilled
 
 
 class WriteBehind:
@@ -43,7 +70,8 @@ class WriteBehind:
         self.low_water = 0  # set by attach() once the manager exists
         self._wake = threading.Event()
         self._txn_done = threading.Event()
-        self._state: tuple[list[dict[str, Any]], set[int], BaseException | None] | None = None
+        # The batch whose transaction ended: its pinned slots, the pages it spilled, its failure.
+        self._state: tuple[list[int], list[Spilled], BaseException | None] | None = None
         self.in_flight = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -82,17 +110,17 @@ class WriteBehind:
         state, self._state = self._state, None
         if state is None:
             return None
-        victims, written, error = state
+        slots, landed, error = state
         host = self._host
         if error is not None or host.closed:
-            np.subtract.at(host.manager.bg_pins, [v["slot"] for v in victims], ONE)
+            np.subtract.at(host.manager.bg_pins, slots, ONE)
             if error is not None:  # poisoned like a failed foreground write
                 self.error = error
                 host.poison(f"write-behind: {error}")
                 log.error("%s: a write-behind batch failed (%s); the handle is poisoned, the last "
                           "commit is intact", host.path, error)
         else:
-            evict.land_background(host.manager, victims, written)
+            evict.land_background(host.manager, slots, landed)
         self.in_flight = False
         return error
 
@@ -130,23 +158,24 @@ class WriteBehind:
                 return False
             self.in_flight = True
             self._txn_done.clear()
-        written: set[int] = set()
+        slots = [v.slot for v in victims]
+        landed: list[Spilled] = []
         error: BaseException | None = None
         try:
-            written = self._write(self._encode(victims))
+            landed = self._write(self._encode(victims))
         except BaseException as exc:
             error = exc
         finally:
-            self._state = (victims, written, error)
+            self._state = (slots, landed, error)
             self._txn_done.set()
         with host.lock:
-            if self.in_flight and self._state is not None and self._state[0] is victims:
+            if self.in_flight and self._state is not None and self._state[0] is slots:
                 self._finish()
         if error is not None:
             raise error
         return True
 
-    def _choose(self) -> list[dict[str, Any]]:
+    def _choose(self) -> list[_Victim]:
         mgr = self._host.manager
         live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0) & (mgr.bg_pins == 0))
         count = min(len(live), mgr.evict_batch)
@@ -157,60 +186,62 @@ class WriteBehind:
         for slot in live.tolist():
             pid = int(mgr.slot_pid[slot])
             mgr.bg_pins[slot] += 1  # not evicted under us; writes are still allowed
-            victims.append({
-                "slot": slot, "pid": pid, "uid": int(mgr.uid[pid]), "gen": int(mgr.gen[pid]),
-                "fill": int(mgr.fill[pid]), "csum": int(mgr.csum[pid]) if mgr.csum_ok[pid] else None,
-                "rec": int(mgr.rec[pid]), "c_where": int(mgr.c_where[pid]),
-                "c_fill": int(mgr.c_fill[pid]), "c_csum": int(mgr.c_csum[pid]),
-                "entry": mgr.committed_entry(pid, int(mgr.c_where[pid]))
-                if mgr.c_where[pid] != NOWHERE else None,
-            })
+            victims.append(_Victim(
+                slot=slot, pid=pid, uid=int(mgr.uid[pid]), gen=int(mgr.gen[pid]), fill=int(mgr.fill[pid]),
+                csum=int(mgr.csum[pid]) if mgr.csum_ok[pid] else None,
+                current=bool(mgr.rec[pid] == REC_CURRENT), codec=int(mgr.codec[pid]),
+                c_fill=int(mgr.c_fill[pid]),
+                entry=mgr.committed_entry(pid, int(mgr.c_where[pid])) if mgr.c_where[pid] != NOWHERE else None))
         return victims
 
-    def _encode(self, victims: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _encode(self, victims: list[_Victim]) -> list[_Encoded]:
         """Checksums and records, off the lock (the committed prefix of each page is immutable)."""
         mgr = self._host.manager
+        out = []
         for v in victims:
-            page = mgr.pool[v["slot"]]
-            if v["csum"] is None:
-                v["csum"] = page_checksum(page, v["fill"], v["uid"], mgr.seed)
-            v["record"] = None
-            v["new_c_csum"] = v["c_csum"]
-            if v["rec"] == REC_CURRENT:
-                continue  # its record is already the page
-            record, used, decoded = encode_spill(mgr.geom, v["uid"], v["fill"], v["csum"], page,
-                                                 mgr.spill_codec, mgr.seed)
-            v["record"], v["codec"] = record, CODECS.index(used)
-            if decoded is not None:  # lossy: the page becomes its dequantised values
-                v["csum"] = page_checksum(decoded, v["fill"], v["uid"], mgr.seed)
-                v["new_c_csum"] = page_checksum(decoded, v["c_fill"], v["uid"], mgr.seed)
-        return victims
+            page = mgr.pool[v.slot]
+            csum = page_checksum(page, v.fill, v.uid, mgr.seed) if v.csum is None else v.csum
+            record: bytearray | None = None
+            nbytes, codec = -1, v.codec
+            c_csum: int | None = None
+            if not v.current:  # else its record is already the page
+                record, used, decoded = encode_spill(mgr.geom, v.uid, v.fill, csum, page, mgr.spill_codec,
+                                                     mgr.seed)
+                nbytes, codec = len(record), CODECS.index(used)
+                if decoded is not None:  # lossy: the page becomes its dequantised values
+                    csum = page_checksum(decoded, v.fill, v.uid, mgr.seed)
+                    if v.entry is not None:
+                        c_csum = page_checksum(decoded, v.c_fill, v.uid, mgr.seed)
+            spilled = Spilled(v.slot, v.pid, v.gen, nbytes, codec, v.entry is not None, v.uid, csum, c_csum)
+            out.append(_Encoded(v, record, spilled))
+        return out
 
-    def _write(self, victims: list[dict[str, Any]]) -> set[int]:
-        """One synced transaction; returns the slots whose page it spilled."""
+    def _write(self, batch: list[_Encoded]) -> list[Spilled]:
+        """One synced transaction; returns the pages it spilled."""
         mgr = self._host.manager
-        written: set[int] = set()
+        landed: list[Spilled] = []
 
         def body(txn: Any) -> None:
-            written.clear()
-            for v in victims:
-                key = uid_key(v["uid"])
-                if v["entry"] is not None:
+            landed.clear()
+            for item in batch:
+                v = item.victim
+                key = uid_key(v.uid)
+                if v.entry is not None:
                     current = txn.get(key, db=mgr.spill.dir)
-                    if current is None or bytes(current) != v["entry"]:
+                    if current is None or bytes(current) != v.entry:
                         continue  # a commit moved on since: leave this page alone
-                    mgr.spill.put(txn, mgr.spill.dir, key, _spilled_entry(key, v["entry"], v, mgr.seed))
-                if v["record"] is not None:
-                    mgr.spill.put(txn, mgr.spill.pages, key, v["record"])
-                written.add(v["slot"])
+                    mgr.spill.put(txn, mgr.spill.dir, key, _spilled_entry(key, v.entry, item.spilled, mgr.seed))
+                if item.record is not None:
+                    mgr.spill.put(txn, mgr.spill.pages, key, item.record)
+                landed.append(item.spilled)
 
         self._host.write_transaction(body, "write-behind")
-        return written
+        return landed
 
 
-def _spilled_entry(key: bytes, entry: bytes, victim: dict[str, Any], seed: int) -> bytes:
-    """The committed entry with placement SPILLED (and a lossy codec's new checksum)."""
-    where, fill, _, flags, digest, parent, chain = read_dir_value(key, entry, seed)
-    codec = victim.get("codec", (flags >> CODEC_SHIFT) & 3)
-    flags = flags & ((1 << CODEC_SHIFT) - 1) | codec << CODEC_SHIFT
-    return dir_value(key, SPILLED, fill, victim["new_c_csum"], flags, digest, parent, chain, seed)
+def _spilled_entry(key: bytes, entry: bytes, spilled: Spilled, seed: int) -> bytes:
+    """The committed entry with placement SPILLED (and a new record's codec and lossy checksum)."""
+    where, fill, csum, flags, digest, parent, chain = read_dir_value(key, entry, seed)
+    flags = flags & ((1 << CODEC_SHIFT) - 1) | spilled.codec << CODEC_SHIFT
+    csum = csum if spilled.c_csum is None else spilled.c_csum
+    return dir_value(key, SPILLED, fill, csum, flags, digest, parent, chain, seed)
