@@ -82,12 +82,15 @@ def test_out_holds_what_read_returns_over_random_ranges(stores, seed, kind: str)
     rng = random.Random(seed)
     store = stores.open(pool_pages=6)  # smaller than the data: reads restore and evict
     model = Model(seed)
-    lengths = {seq: rng.randint(1, 6 * PS) for seq in range(4)}
+    lengths = {seq: rng.randint(2 * PS + 1, 6 * PS) for seq in range(4)}  # at least 12 pages
     filled(store, model, lengths)
+    ranges = []
     for _ in range(40):
         seq = rng.randrange(4)
         start = rng.randint(0, lengths[seq])
-        stop = rng.randint(start, min(lengths[seq], start + 3 * PS))
+        ranges.append((seq, start, rng.randint(start, min(lengths[seq], start + 3 * PS))))
+    ranges += [(seq, 0, lengths[seq]) for seq in range(4)]  # whole sequences: some pages are spilled
+    for seq, start, stop in ranges:
         k_out, v_out = out_views(stop - start, kind)
         got = store.read(seq, start, stop, out=(k_out, v_out))
         assert got[0] is k_out and got[1] is v_out
