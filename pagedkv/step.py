@@ -1,6 +1,7 @@
 """One engine step as a context manager: inside it, the step's pages are resident and pinned.
 
-``stepplan.py`` plans and releases a step; this module makes it an operation of
+``stepplan.py`` plans and releases a step (``stepstate.py`` says what a step holds,
+``stepgrow.py`` grows its rows); this module makes it an operation of
 the store (locked, checked, I/O errors typed) and a ``with`` block.
 """
 
@@ -12,7 +13,8 @@ from typing import Any
 from . import faults
 from .core import StoreCore, _op
 from .pages.sequence import PerSequence
-from .stepplan import StepState, begin, end, pages_needed, parse_counts
+from .stepplan import begin, end, pages_needed
+from .stepstate import StepState, parse_counts
 
 
 class Step(StepState):

@@ -11,90 +11,21 @@ token ids.
 
 from __future__ import annotations
 
-from collections import abc
-from typing import Any, Mapping, cast
+from typing import cast
 
 import numpy as np
 
 from . import datapath
 from .core import StoreCore
-from .datapath import cow_last
-from .errors import PagedKVError, PoolExhausted
-from .pages.prefix import seal, split_ids, step_token_ids, write_tokens
-from .pages.sequence import PerSequence, SeqId, Sequence
+from .errors import PoolExhausted
+from .pages.prefix import seal, write_tokens
+from .pages.sequence import SeqId, Sequence
 from .pages.directory import HAS_TOKENS, ONE
-
-
-class StepState:
-    """What a step is: its sequences, new tokens and ids, and, once planned, its outputs and pins.
-
-    ``Step`` (step.py) is the context manager over it; ``begin`` and ``end`` below
-    fill and release it.
-    """
-
-    def __init__(self, store: StoreCore, new_tokens: PerSequence[int],
-                 tokens: PerSequence[Any] | None = None) -> None:
-        counts = parse_counts(new_tokens)
-        tokens = tokens or {}
-        if tokens and (not isinstance(tokens, abc.Mapping) or not tokens.keys() <= new_tokens.keys()):
-            raise PagedKVError("step tokens= must map sequences of the step to their new token ids")
-        counts_of = cast("Mapping[SeqId, int]", new_tokens)  # keys were checked against new_tokens just above
-        self.seq_ids: list[SeqId] = list(new_tokens)
-        self.decode = counts.count(1) == len(counts)  # one new token per sequence
-        self._ids: dict[SeqId, np.ndarray] | None = {}
-        self._ids_parts: tuple[list[SeqId], list[int], np.ndarray] | None = None
-        # Every new token's id in row order, when each sequence of the step has its ids
-        # and they come in the step's order (the vectorised path of a decode step).
-        self.ordered_ids: np.ndarray | None = None
-        self.has_ids = bool(tokens)
-        if tokens:
-            keys = list(tokens)
-            lengths, flat = step_token_ids(tokens, counts_of, self.decode)
-            self._ids, self._ids_parts = None, (keys, lengths, flat)
-            if self.decode and keys == self.seq_ids:
-                self.ordered_ids = flat  # one id per row
-        self._store = store
-        self.new_tokens = counts
-        self.block_tables = np.empty((0, 0), np.int32)
-        self.slot_mapping = np.empty(0, np.int64)
-        self.seq_lens = np.empty(0, np.int32)
-        self._seqs: list[Sequence] = []
-        self._undo: tuple[Any, ...] = ()  # lengths, pages, last pages, their fills (arrays or lists)
-        self._held = _NONE  # the slots of the step's existing pages, pinned (a slot per reference)
-        self._extra: list[int] = []  # slots pinned one by one: new pages and copies
-        self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
-
-    @property
-    def token_ids(self) -> dict[SeqId, np.ndarray]:
-        """The new tokens' ids per sequence (those the step was given), cut when first asked for."""
-        if self._ids is None:
-            assert self._ids_parts is not None
-            self._ids = split_ids(*self._ids_parts)
-        return self._ids
-
-    def length_before(self, seq: Sequence) -> int:
-        """The length ``seq`` (a member of this active step) had when the step began."""
-        return int(self._undo[0][self._seqs.index(seq)])
-
-
-
-def parse_counts(new_tokens: Any) -> list[int]:
-    """Validate a step's mapping of sequence id -> new token count; return the counts."""
-    # collections.abc, not typing: isinstance against typing's alias costs microseconds a step.
-    if not isinstance(new_tokens, abc.Mapping) or not new_tokens:
-        raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
-    counts = list(new_tokens.values())
-    if set(map(type, counts)) != {int} or min(counts) < 0:
-        for count in counts:
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-                raise PagedKVError(f"new token counts must be ints >= 0, got {count!r}")
-        counts = [int(count) for count in counts]
-    return counts
-
+from .stepgrow import fresh_pages, grow, inplace_tokens
+from .stepstate import NONE, StepState
 
 # Up to this many rows, per-row scalar updates cost less than numpy's per-call overhead.
 _FEW = 4
-_NONE = np.zeros(0, np.int32)
 
 
 class _Batch:
@@ -152,14 +83,14 @@ def begin(store: StoreCore, step: StepState) -> None:
         else:
             seqs = cast("list[Sequence]", found)
         members = frozenset(seqs)
-        lengths = npages = rows = _NONE
+        lengths = npages = rows = NONE
     else:  # the same batch as the last step, and no block table changed since
         seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
     known.check_idle(members)
     if step.decode and len(seqs) <= _FEW:
         _begin_few(store, step, seqs, members, batch)
         return
-    if rows is _NONE:  # a new batch, or one the Python-int plan made: no arrays yet
+    if rows is NONE:  # a new batch, or one the Python-int plan made: no arrays yet
         lengths = np.fromiter((seq.length for seq in seqs), np.int64, len(seqs))
         npages = np.fromiter((seq.npages for seq in seqs), np.int64, len(seqs))
         rows = np.arange(len(seqs))
@@ -200,14 +131,14 @@ def begin(store: StoreCore, step: StepState) -> None:
             fresh = grows[~cow[grows]] if decode else \
                 grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
             if len(fresh):
-                next_pids[fresh], slab = _fresh_pages(store, step, seqs, fresh, counts, npages, tables)
+                next_pids[fresh], slab = fresh_pages(store, step, seqs, fresh, counts, npages, tables)
                 if slab is not None:
                     next_slab[fresh] = slab
                 next_fill[fresh] = counts[fresh]
                 grows = grows[cow[grows]] if decode else np.setdiff1d(grows, fresh, assume_unique=True)
         for row in grows.tolist():
             seq = seqs[row]
-            _grow(store, step, seq, step.new_tokens[row], tables[row])
+            grow(store, step, seq, step.new_tokens[row], tables[row])
             next_pids[row] = pid = int(seq.pids[seq.npages - 1])
             next_fill[row] = mgr.fill[pid]
         inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else partial)
@@ -222,7 +153,7 @@ def begin(store: StoreCore, step: StepState) -> None:
                 mgr.mark_written_many(pids, fills)
             if step.has_ids or mgr.tokens_seen:
                 hint = None if batch is None or batch.last_slab is None else batch.last_slab[inplace]
-                slab_rows = _inplace_tokens(store, step, seqs, inplace, pids, offsets, hint)
+                slab_rows = inplace_tokens(store, step, seqs, inplace, pids, offsets, hint)
                 if slab_rows is not None:
                     next_slab[inplace] = slab_rows
     except BaseException:
@@ -271,7 +202,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
         for row in grows:
-            _grow(store, step, seqs[row], 1, tables[row])
+            grow(store, step, seqs[row], 1, tables[row])
         for row in inplace:
             pid = last_pids[row]
             mgr.mark_written(pid, last_fill[row] + 1)
@@ -287,8 +218,8 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     known.busy[id(step)] = step
     by_key = batch.by_key if batch is not None else {seq.key: seq for seq in seqs}
     known.dirty.update(by_key)
-    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, _NONE, _NONE,
-                         members, by_key, _NONE, None, None, None)
+    known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, NONE, NONE,
+                         members, by_key, NONE, None, None, None)
     step.block_tables = tables[:, :width].copy()
     step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)
@@ -347,88 +278,6 @@ def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.
     return tables, False
 
 
-def _fresh_pages(store: StoreCore, step: StepState, seqs: list[Sequence], rows: np.ndarray,
-                 counts: np.ndarray, npages: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """One new page for each of ``rows``, holding its new tokens, in one batch.
-
-    With token ids, each row has one new token (``Step.ordered_ids``). Returns the
-    pages and, with ids, their slab rows of token ids.
-    """
-    mgr = store._mgr
-    pids = mgr.new_pages(counts[rows])
-    slab = None if step.ordered_ids is None else mgr.start_tokens(pids, step.ordered_ids[rows])
-    slots = mgr.slot[pids]
-    mgr.pins[slots] += 1  # new pages: distinct slots
-    step._extra.extend(slots.tolist())
-    tables[rows, npages[rows]] = slots
-    for row, pid in zip(rows.tolist(), pids.tolist()):
-        seqs[row].push(pid)
-    return pids, slab
-
-
-def _grow(store: StoreCore, step: StepState, seq: Sequence, count: int, row: np.ndarray) -> None:
-    """Give ``seq`` room for ``count`` more tokens, writing new slots into its table row."""
-    mgr, page_size = store._mgr, store.geometry.page_size
-    token_ids = step.token_ids.get(seq.seq_id)
-    length, done = seq.length, 0
-    offset = length % page_size
-    if offset:
-        last = int(seq.pids[seq.npages - 1])
-        if mgr.ref[last] > 1:
-            last = cow_last(store, seq)
-            slot = int(mgr.slot[last])
-            row[seq.npages - 1] = slot
-            _pin(mgr, step, slot)
-        take = min(count, page_size - offset)
-        mgr.mark_written(last, offset + take)
-        write_tokens(mgr, last, offset, None if token_ids is None else token_ids[:take])
-        done = take
-    while done < count:
-        pid = mgr.new_page()
-        slot = int(mgr.slot[pid])
-        _pin(mgr, step, slot)
-        seq.push(pid)
-        row[seq.npages - 1] = slot
-        take = min(count - done, page_size)
-        mgr.mark_written(pid, take)
-        write_tokens(mgr, pid, 0, None if token_ids is None else token_ids[done:done + take])
-        done += take
-
-
-def _pin(mgr: Any, step: StepState, slot: int) -> None:
-    mgr.pins[slot] += 1
-    step._extra.append(slot)
-
-
-def _inplace_tokens(store: StoreCore, step: StepState, seqs: list[Sequence], rows: np.ndarray,
-                    pids: np.ndarray, offsets: np.ndarray, hint: np.ndarray | None) -> np.ndarray | None:
-    """Token ids of tokens written into existing last pages (only where ids are involved).
-
-    One token per row into a page whose earlier ids are in memory (a decode step)
-    is one indexed write for all such rows; the rest go page by page. ``hint``: the
-    pages' slab rows as the batch's last step left them. Returns the slab rows of
-    ``pids`` where the indexed write found them (-1 elsewhere), or None.
-    """
-    mgr = store._mgr
-    with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
-    todo = np.flatnonzero(with_ids | step.has_ids)
-    found = None
-    if step.ordered_ids is not None and len(todo):
-        slab_rows = mgr.page_tokens.rows_hinted(pids[todo], None if hint is None else hint[todo])
-        at = offsets[rows[todo]]
-        fast = (slab_rows >= 0) & with_ids[todo]
-        fast[fast] = mgr.page_tokens.lens[slab_rows[fast]] == at[fast]
-        if fast.any():
-            mgr.page_tokens.write_one_each(slab_rows[fast], at[fast], step.ordered_ids[rows[todo[fast]]])
-            found = np.full(len(pids), -1, np.int64)
-            found[todo[fast]] = slab_rows[fast]
-            todo = todo[~fast]
-    for index in todo.tolist():
-        seq_id = seqs[int(rows[index])].seq_id
-        write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
-    return found
-
-
 def _outputs(store: StoreCore, step: StepState, tables: np.ndarray, lengths: np.ndarray,
              counts: np.ndarray, after: np.ndarray, offsets: np.ndarray, width: int,
              held: np.ndarray, rows: np.ndarray) -> None:
@@ -472,5 +321,5 @@ def end(store: StoreCore, step: StepState, ok: bool) -> None:
             np.subtract.at(mgr.pins, step._held, ONE)
         if step._extra:
             mgr.pins[step._extra] -= 1  # distinct: new pages and copies
-        step._held, step._extra = _NONE, []
+        step._held, step._extra = NONE, []
         store._seqs.busy.pop(id(step), None)

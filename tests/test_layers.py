@@ -19,7 +19,8 @@ PKG = Path(__file__).resolve().parent.parent / "pagedkv"
 LEAVES = {"pagedkv.errors", "pagedkv.geometry", "pagedkv.faults", "pagedkv.counters"}
 # What works on a StoreCore: the handle's state, the data paths, the background threads
 # (whose host interface core.py implements) and the remote tier.
-BELOW_STORE = {"pagedkv.core", "pagedkv.sequences", "pagedkv.datapath", "pagedkv.step", "pagedkv.stepplan", "pagedkv.check",
+BELOW_STORE = {"pagedkv.core", "pagedkv.sequences", "pagedkv.datapath", "pagedkv.step", "pagedkv.stepplan",
+               "pagedkv.stepstate", "pagedkv.stepgrow", "pagedkv.check",
                "pagedkv.options", "pagedkv.stats"}
 BELOW_STORE_PACKAGES = ("pagedkv.background.", "pagedkv.remote.")
 # KVStore and the read API built on the same StoreCore.
