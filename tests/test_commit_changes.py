@@ -42,6 +42,7 @@ from pagedkv.storage.metarecord import TAG_SEQS, TAG_TOKENS, seal
 from pagedkv.storage.spill import uid_key
 
 from tests.kits.content import get_seed
+from tests.kits.draws import Draws
 
 GEOM = Geometry(layers=2, kv_heads=1, head_dim=4, page_size=4, dtype="float16")
 PS = GEOM.page_size
@@ -156,17 +157,16 @@ class Run:
         self.path, self.pool_pages, self.options = path, pool_pages, options
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
+        self.draws = Draws(self.rng, self.np_rng, GEOM, VOCAB)
         self.store = pagedkv.open(path, GEOM, pool_pages=pool_pages, evict_batch=2, **options)
         self.next_id = 0
         self.counts: dict[str, int] = {}
 
     def kv(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        shape = (GEOM.layers, n, GEOM.kv_heads, GEOM.head_dim)
-        k = self.np_rng.standard_normal(shape).astype(GEOM.np_dtype)
-        return k, -k
+        return self.draws.kv(n)
 
     def ids(self, n: int) -> list[int]:
-        return [self.rng.randrange(VOCAB) for _ in range(n)]
+        return self.draws.ids(n)
 
     def seqs(self) -> list[Any]:
         return sorted(self.store.sequences(), key=repr)

@@ -38,6 +38,7 @@ from pagedkv.storage.codec import page_checksum
 from pagedkv.storage.metarecord import read_dir_value
 
 from tests.kits.content import get_seed
+from tests.kits.draws import Draws
 from tests.kits.store import GEOM
 
 PS = GEOM.page_size
@@ -81,6 +82,7 @@ class Twin:
     def __init__(self, root: Path, seed: int, codec: str, pool_pages: int = 12) -> None:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
+        self.draws = Draws(self.rng, self.np_rng, GEOM, VOCAB)
         self.exact = codec != "int8"
         self.options: dict[str, Any] = {"durability": "nosync", "evict_batch": 3, "spill_codec": codec}
         self.paths = (root / "fg", root / "wb")
@@ -105,12 +107,10 @@ class Twin:
 
     # -- random inputs, drawn once and given to both stores -----------------------------------
     def kv(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        shape = (GEOM.layers, n, GEOM.kv_heads, GEOM.head_dim)
-        k = self.np_rng.standard_normal(shape).astype(GEOM.np_dtype)
-        return k, -k
+        return self.draws.kv(n)
 
     def ids(self, n: int) -> list[int]:
-        return [self.rng.randrange(VOCAB) for _ in range(n)]
+        return self.draws.ids(n)
 
     def seqs(self) -> list[Any]:
         seqs = sorted(self.fg.sequences(), key=repr)
