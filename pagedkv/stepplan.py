@@ -123,25 +123,32 @@ def begin(store: StoreCore, step: StepState) -> None:
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
-    next_slab = np.full(len(seqs), -1, np.int64)  # their slab rows of token ids, where known
+    ids_known = step.has_ids or mgr.tokens_seen
+    # Their slab rows of token ids, where known (no ids anywhere: none to know).
+    next_slab = np.full(len(seqs), -1, np.int64) if ids_known else None
     try:
         if len(grows) and (not step.has_ids or step.ordered_ids is not None):
             # Rows that start exactly one fresh page (decode crossing a page boundary)
             # get their pages in one batch; the others go page by page.
-            fresh = grows[~cow[grows]] if decode else \
-                grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
+            if decode:  # every growing row starts one fresh page; the rows copying on write do not
+                fresh = grows[~cow[grows]] if copies else grows
+            else:
+                fresh = grows[(offsets[grows] == 0) & (new_npages[grows] == npages[grows] + 1)]
             if len(fresh):
                 next_pids[fresh], slab = fresh_pages(store, step, seqs, fresh, counts, npages, tables)
-                if slab is not None:
+                if slab is not None and next_slab is not None:
                     next_slab[fresh] = slab
-                next_fill[fresh] = counts[fresh]
-                grows = grows[cow[grows]] if decode else np.setdiff1d(grows, fresh, assume_unique=True)
+                next_fill[fresh] = 1 if decode else counts[fresh]
+                if not decode:
+                    grows = np.setdiff1d(grows, fresh, assume_unique=True)
+                else:
+                    grows = grows[cow[grows]] if copies else grows[:0]
         for row in grows.tolist():
             seq = seqs[row]
             grow(store, step, seq, step.new_tokens[row], tables[row])
             next_pids[row] = pid = int(seq.pids[seq.npages - 1])
             next_fill[row] = mgr.fill[pid]
-        inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else partial)
+        inplace = np.flatnonzero(partial & ~cow & ~growing if copies or not decode else offsets)
         if len(inplace):
             pids = last_pids[inplace]
             fills = last_fill[inplace] + (1 if decode else counts[inplace])
@@ -151,10 +158,10 @@ def begin(store: StoreCore, step: StepState) -> None:
                     mgr.mark_written(pid, fill)
             else:
                 mgr.mark_written_many(pids, fills)
-            if step.has_ids or mgr.tokens_seen:
+            if ids_known:
                 hint = None if batch is None or batch.last_slab is None else batch.last_slab[inplace]
                 slab_rows = inplace_tokens(store, step, seqs, inplace, pids, offsets, hint)
-                if slab_rows is not None:
+                if slab_rows is not None and next_slab is not None:
                     next_slab[inplace] = slab_rows
     except BaseException:
         end(store, step, ok=False)
