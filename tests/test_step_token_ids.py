@@ -186,5 +186,7 @@ def test_page_tokens_keeps_ids_through_growth_and_shrinking(seed) -> None:
         assert len(tokens.lens) <= max(64, 4 * len(want))
         stale = tokens.rows_hinted(np.array(list(want), np.int64), rows[:len(want)])
         assert (tokens.owner[stale] == np.array(list(want))).all(), "a stale hint was trusted"
+        past = tokens.rows_hinted(np.array(list(want), np.int64), np.full(len(want), len(tokens.lens) + 7))
+        assert (tokens.owner[past] == np.array(list(want))).all(), "a hint past the shrunk slab was trusted"
         for pid, ids in want.items():
             assert tokens.get(pid).tolist() == ids.tolist()

@@ -70,7 +70,9 @@ class PageTokens:
         if hint is None or not len(self.owner):
             return self.rows(pids.tolist())
         rows = hint.copy()
-        stale = np.flatnonzero((hint < 0) | (self.owner[hint] != pids))
+        # A shrink renumbers rows and may leave a hint past the slab's end: look those up too.
+        inside = (hint >= 0) & (hint < len(self.owner))
+        stale = np.flatnonzero(~inside | (self.owner[np.where(inside, hint, 0)] != pids))
         if len(stale):
             rows[stale] = self.rows(pids[stale].tolist())
         return rows
