@@ -21,7 +21,7 @@ import numpy as np
 from ..pages.manager import BlockManager
 from ..pages.sequence import SeqId
 
-__all__ = ["BackgroundHost", "HostOwner"]
+__all__ = ["BackgroundHost"]
 
 T = TypeVar("T")
 
@@ -93,13 +93,4 @@ class BackgroundHost(Protocol):
         ``body`` may run more than once, after the map grew, so it only issues
         puts and deletes computed beforehand. ``what`` names the work in errors.
         """
-        ...
-
-
-class HostOwner(Protocol):
-    """What builds a background thread: a store handle, of which the thread keeps only the host."""
-
-    @property
-    def background_host(self) -> BackgroundHost:
-        """The handle's surface for its background threads."""
         ...
