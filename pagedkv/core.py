@@ -43,6 +43,18 @@ T = TypeVar("T")
 
 log = logging.getLogger("pagedkv.store")
 
+_forks = 0  # forks this process descends from: a handle is usable only in the process that opened it
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+# Counted at the fork rather than asking os.getpid() per operation: that system call
+# was a tenth of a one-page read.
+os.register_at_fork(after_in_child=_count_fork)
+
 
 def _op(write: bool) -> Callable[[F], F]:
     """Serialise a public operation on the store lock and check the handle is usable."""
@@ -95,6 +107,7 @@ class StoreCore:
         self._closed = False
         self._poisoned: str | None = None  # why an I/O failure stopped this handle's writes
         self._pid = os.getpid()
+        self._fork = _forks
         tables, self._state, self._damage = self._load(writer=not readonly)
         self._seqs = Sequences(tables.values())  # the sequences, their pending changes, active steps
         self.background_host: BackgroundHost = CoreHost(self)  # what the background threads get
@@ -141,10 +154,14 @@ class StoreCore:
         tables, self._state, self._damage = self._load(writer=False)
         self._seqs = Sequences(tables.values())
 
+    def _in_opening_process(self) -> bool:
+        """Whether this is the process that opened the handle (not a forked child of it)."""
+        return _forks == self._fork
+
     def _usable(self, write: bool) -> None:
         if self._closed:
             raise StoreClosed(f"{self.path}: the store is closed")
-        if os.getpid() != self._pid:
+        if _forks != self._fork:
             raise StoreClosed(f"{self.path}: opened in process {self._pid}; reopen it in this one")
         if self._poisoned and write:
             raise StoreClosed(f"{self.path}: an earlier I/O failure poisoned this handle "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -47,6 +46,7 @@ class KVStore(StoreCore):
         if not self.readonly and options.spill_limit is not None:
             evict.enforce_cap_at_open(self._mgr)  # a lowered cap holds from the open on
         if self._write_behind is not None:
+            spill.share_writes()  # its thread writes, and grows the map, off the store lock
             self._write_behind.attach()
         if options.remote is not None:
             self._remote = remote_tier.attach(self, options.remote)
@@ -356,7 +356,7 @@ class KVStore(StoreCore):
             if self._active_steps.get(threading.get_ident()):
                 raise SequenceBusy("close() inside an active step of this thread")
             try:
-                if not self.readonly and not self._poisoned and os.getpid() == self._pid:
+                if not self.readonly and not self._poisoned and self._in_opening_process():
                     self._wait_no_steps("close()")
                     if commit:
                         self._commit(full_sync=True)

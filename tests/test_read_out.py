@@ -21,7 +21,7 @@ import xxhash
 
 import pagedkv
 from pagedkv import Geometry, PageCorrupt, PagedKVError, PoolExhausted
-from pagedkv.storage.codec import CODECS, page_checksum, record_layout
+from pagedkv.storage.codec import CODECS, bytes_checksum, page_checksum, record_layout
 from pagedkv.storage.spill import SpillStore, uid_key
 
 from tests.kits.content import assert_same_bits
@@ -351,14 +351,46 @@ def test_small_page_checksum_is_the_streamed_digest() -> None:
         assert page_checksum(page.swapaxes(0, 1).copy().swapaxes(0, 1), fill, 7, 99) == hasher.intdigest()
 
 
-def test_map_growth_waits_for_an_open_read_transaction(tmp_path: Path) -> None:
+@pytest.mark.parametrize("page_size", [1, 3, 300])  # one-shot and streamed digests
+def test_bytes_checksum_of_a_full_page_is_its_page_checksum(page_size: int) -> None:
+    geom = Geometry(layers=2, kv_heads=1, head_dim=15, page_size=page_size, dtype="bfloat16")
+    page = np.arange(np.prod(geom.page_shape), dtype=np.float32).astype(geom.np_dtype).reshape(geom.page_shape)
+    flat = memoryview(page.reshape(-1).view(np.uint8))
+    assert bytes_checksum(flat, page_size, 7, 99) == page_checksum(page, page_size, 7, 99)
+    assert bytes_checksum(page.tobytes(), page_size, 8, 99) != page_checksum(page, page_size, 7, 99)
+
+
+def test_a_locked_read_is_counted_once_writes_are_shared(tmp_path: Path) -> None:
     spill = SpillStore(str(tmp_path / "spill"), readonly=False, create=True, sync=False, map_size=1 << 20)
+    try:
+        with spill.locked_read() as txn:  # every writer holds the caller's lock: nothing to count
+            assert txn.get(b"missing", db=spill.pages) is None and spill._reading == 0
+        spill.share_writes()
+        with spill.locked_read() as txn:
+            assert txn.get(b"missing", db=spill.pages) is None and spill._reading == 1
+        assert spill._reading == 0
+    finally:
+        spill.close()
+
+
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_a_store_shares_its_writes_iff_a_write_behind_thread_writes(tmp_path: Path, write_behind: bool) -> None:
+    with pagedkv.open(str(tmp_path / "s"), GEOM, pool_pages=8, write_behind=write_behind) as store:
+        with store._spill.locked_read():
+            assert store._spill._reading == int(write_behind)
+
+
+@pytest.mark.parametrize("shared_locked_read", [False, True])
+def test_map_growth_waits_for_an_open_read_transaction(tmp_path: Path, shared_locked_read: bool) -> None:
+    spill = SpillStore(str(tmp_path / "spill"), readonly=False, create=True, sync=False, map_size=1 << 20)
+    if shared_locked_read:  # the foreground's read beside a write-behind thread that grows the map
+        spill.share_writes()
     try:
         size = spill.env.info()["map_size"]
         inside, leave, grown = threading.Event(), threading.Event(), threading.Event()
 
         def reader() -> None:
-            with spill.background_read() as txn:
+            with (spill.locked_read() if shared_locked_read else spill.background_read()) as txn:
                 assert txn.get(b"missing", db=spill.pages) is None
                 inside.set()
                 assert leave.wait(30)

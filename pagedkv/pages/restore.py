@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import faults
-from ..storage.codec import RecordLayout, decode_record, page_checksum, record_layout
+from ..storage.codec import RecordLayout, bytes_checksum, decode_record, page_checksum, record_layout
 from ..errors import PageCorrupt
 from ..storage.spill import uid_key
 from .evict import take_slots
@@ -27,10 +27,9 @@ def resident_slot(mgr: PageTable, pid: int) -> int:
     most of a one-page read.
     """
     slot: int = mgr.slot.item(pid)
-    if slot >= 0:
-        mgr.stats.counts["resident_hits"] += 1
-    else:
-        slot = _restore_one(mgr, pid)
+    if slot < 0:
+        return _restore_one(mgr, pid)  # placing it marked the slot used
+    mgr.stats.counts["resident_hits"] += 1
     mgr.tick += 1  # touch: the slot was used now
     mgr.stamp[slot] = mgr.tick
     return slot
@@ -54,8 +53,8 @@ def _restore_one(mgr: PageTable, pid: int) -> int:
     try:
         if known:
             raise PageCorrupt(f"page {uid} is corrupt", uid)
-        with mgr.spill.begin_read() as txn:
-            _, size = _fetch(mgr, record_layout(mgr.geom), txn, uid, fill, csum, mgr.pool[slot])
+        with mgr.spill.locked_read() as txn:
+            size = _fetch_into(mgr, record_layout(mgr.geom), txn, uid, fill, csum, slot)
             faults.crashpoint("restore.after_copy")
     except PageCorrupt:
         free.append(slot)
@@ -109,7 +108,7 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
     exception the slots not yet filled are handed back; pages already copied
     are placed (each is whole and verified).
     """
-    layout, pool, stats = record_layout(mgr.geom), mgr.pool, mgr.stats
+    layout, stats = record_layout(mgr.geom), mgr.stats
     columns = zip(pids.tolist(), slots, mgr.uid[pids].tolist(), mgr.fill[pids].tolist(),
                   mgr.csum[pids].tolist(), mgr.corrupt[pids].tolist())
     filled: list[int] = []
@@ -122,7 +121,7 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
                 try:
                     if corrupt:
                         raise PageCorrupt(f"page {uid} is corrupt", uid)
-                    _, size = _fetch(mgr, layout, txn, uid, fill, csum, pool[slot])
+                    size = _fetch_into(mgr, layout, txn, uid, fill, csum, slot)
                     faults.crashpoint("restore.after_copy")
                 except PageCorrupt as exc:
                     mgr.free_slots.append(slot)
@@ -164,27 +163,52 @@ def fetch_record(mgr: PageTable, txn: object, uid: int, fill: int, csum: int) ->
     return _fetch(mgr, record_layout(mgr.geom), txn, uid, fill, csum)
 
 
-def _fetch(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: int, csum: int,
-           dest: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """The checked page (copied into ``dest`` if given: a free slot) and the record's size."""
-    value = txn.get(uid_key(uid), db=mgr.spill.pages)
-    if value is None:
-        raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
-    page = layout.match_raw(value, uid, fill, csum)
-    if page is None:  # any other record: the full checks, which also name what is wrong
-        page, size = _fetch_checked(mgr, value, uid, fill, csum)
-        if dest is not None:
-            dest[...] = page
-        return page if dest is None else dest, size
-    if dest is not None:
-        # Copied first and checked where the bytes are then hot in cache: 1-2 us a
-        # page cheaper than hashing the record's cold bytes. A failure has written
-        # only a free slot.
-        dest[...] = page
-        page = dest
+def _fetch(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: int,
+           csum: int) -> tuple[np.ndarray, int]:
+    """The checked page (a view of the record) and the record's size."""
+    value = _get(mgr, txn, uid)
+    start = layout.raw_payload_at(value, uid, fill, csum)
+    if start < 0:  # any other record: the full checks, which also name what is wrong
+        return _fetch_checked(mgr, value, uid, fill, csum)
+    page = np.ndarray(layout.page_shape, layout.np_dtype, value, start)
     if page_checksum(page, fill, uid, mgr.seed) != csum:
         raise PageCorrupt(f"page {uid}: spilled record fails its checksum", uid)
     return page, len(value)
+
+
+def _fetch_into(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: int, csum: int,
+                slot: int) -> int:
+    """``_fetch`` copied into ``slot`` (a free slot); return the record's size.
+
+    The payload is copied first and the slot checked, where the bytes are then
+    hot in cache: 1-2 us a page cheaper than hashing the record's cold bytes. A
+    failure has written only a free slot.
+    """
+    value = _get(mgr, txn, uid)
+    start = layout.raw_payload_at(value, uid, fill, csum)
+    if start < 0:
+        page, size = _fetch_checked(mgr, value, uid, fill, csum)
+        mgr.pool[slot] = page
+        return size
+    nbytes = layout.page_nbytes
+    at = slot * nbytes
+    dest = mgr.pool_file.slot_bytes[at:at + nbytes]
+    dest[:] = memoryview(value)[start:]
+    if fill == layout.page_shape[2]:
+        actual = bytes_checksum(dest, fill, uid, mgr.seed)
+    else:
+        actual = page_checksum(mgr.pool[slot], fill, uid, mgr.seed)
+    if actual != csum:
+        raise PageCorrupt(f"page {uid}: spilled record fails its checksum", uid)
+    return len(value)
+
+
+def _get(mgr: PageTable, txn: Any, uid: int) -> Any:
+    """The spill record of page ``uid``; ``PageCorrupt`` when it is missing."""
+    value = txn.get(uid_key(uid), db=mgr.spill.pages)
+    if value is None:
+        raise PageCorrupt(f"page {uid}: spilled record is missing", uid)
+    return value
 
 
 def _fetch_checked(mgr: PageTable, value: Any, uid: int, fill: int, csum: int) -> tuple[np.ndarray, int]:

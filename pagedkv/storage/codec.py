@@ -59,16 +59,13 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     """
     tokens = page.shape[2]
     if page.nbytes <= _SMALL_PAGE:
-        # One call over one short buffer: the streaming hasher's setup costs more than
-        # hashing a small page (xxh3 streams, so the digest is the same).
-        body = page.tobytes() if fill == tokens else page[:, :, :fill].tobytes()
-        return xxhash.xxh3_64_intdigest(_IDENT.pack(uid, fill) + body, seed)
+        return bytes_checksum(page.tobytes() if fill == tokens else page[:, :, :fill].tobytes(), fill, uid, seed)
+    if fill == tokens:
+        # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
+        return bytes_checksum(np.ascontiguousarray(page).view(np.uint8).data, fill, uid, seed)
     hasher = xxhash.xxh3_64(seed=seed)
     hasher.update(_IDENT.pack(uid, fill))
-    # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
-    if fill == tokens:
-        hasher.update(np.ascontiguousarray(page).view(np.uint8).data)
-    elif fill:
+    if fill:
         stride = page.nbytes // (page.shape[0] * page.shape[1])  # one (layer, K/V) run of tokens
         width = stride // tokens * fill
         if width >= _RUN_MIN and page.flags.c_contiguous:
@@ -79,6 +76,22 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
                 hasher.update(flat[start:start + width])
         else:
             hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8).data)
+    return hasher.intdigest()
+
+
+def bytes_checksum(body: bytes | memoryview, fill: int, uid: int, seed: int) -> int:
+    """``page_checksum`` of a page given as the bytes it hashes: each (layer, K/V) run's first ``fill`` tokens.
+
+    A full page's bytes are simply its C-order bytes (a pool slot, or a raw
+    record's payload), which is how a one-page restore checks the slot it wrote.
+    """
+    if len(body) <= _SMALL_PAGE:
+        # One call over one short buffer: the streaming hasher's setup costs more than
+        # hashing a small page (xxh3 streams, so the digest is the same).
+        return xxhash.xxh3_64_intdigest(_IDENT.pack(uid, fill) + body, seed)
+    hasher = xxhash.xxh3_64(seed=seed)
+    hasher.update(_IDENT.pack(uid, fill))
+    hasher.update(body)
     return hasher.intdigest()
 
 
@@ -168,22 +181,33 @@ class RecordLayout:
     def match_raw(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> np.ndarray | None:
         """The page of a raw record whose header is exactly the one written for (uid, fill, csum).
 
+        ``raw_payload_at``'s check, with the payload returned as a read-only
+        view; None for any other record, valid or not.
+        """
+        start = self.raw_payload_at(value, uid, fill, csum)
+        if start < 0:
+            return None
+        return np.ndarray(self.page_shape, self.np_dtype, value, start)
+
+    def raw_payload_at(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> int:
+        """Where the payload of a raw record starts whose header is exactly the one written for (uid, fill, csum).
+
         Such a header passes every check of ``decode_record`` by construction, so
         only the payload's length is left to check (its checksum is the caller's).
-        Returns None for any other record, valid or not: the caller then takes
-        the full path, which reports what is wrong. The expected header is
+        Returns -1 for any other record, valid or not: the caller then takes the
+        full path, which reports what is wrong. The expected header is
         ``prefix``'s, from the pieces it precomputed for a raw page.
         """
         if not (0 <= fill <= self.page_shape[2] and 0 <= uid < 1 << 64 and 0 <= csum < 1 << 64):
-            return None
-        header = b"".join((self._before_uid, _uint(uid), self._raw_middles[fill], _uint(csum),
-                           self._raw_tail))
+            return -1
+        header = b"".join((self._before_uid, _uint(uid), self._raw_middles[fill],
+                           _UINT64.pack(0xCF, csum) if csum > 0xFFFFFFFF else _uint(csum), self._raw_tail))
         start = _LEN.size + len(header)
         # Compared as bytes: a memoryview compares element by element, 3x slower.
         if len(value) != start + self.page_nbytes or \
                 memoryview(value)[:start].tobytes() != _LEN.pack(len(header)) + header:
-            return None
-        return np.ndarray(self.page_shape, self.np_dtype, value, start)
+            return -1
+        return start
 
 
 _UINT8, _UINT16, _UINT32, _UINT64 = (struct.Struct(">BB"), struct.Struct(">BH"), struct.Struct(">BI"),

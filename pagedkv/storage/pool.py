@@ -87,6 +87,11 @@ class PagePool:
         # has a view raises BufferError (handled in close) instead of unmapping it.
         self.array = np.frombuffer(self._mm, dtype=geom.np_dtype, offset=HEADER_NBYTES).reshape(
             (pool_pages, *geom.page_shape))
+        # The slots as flat bytes: slot s is slot_bytes[s * page_nbytes:(s + 1) * page_nbytes].
+        # A one-page restore copies a record's payload in with one slice assignment,
+        # where building an ndarray over the record and indexing the pool cost more
+        # than the copy.
+        self.slot_bytes: memoryview = memoryview(self._mm)[HEADER_NBYTES:]
 
     @classmethod
     def create(cls, path: str, geom: Geometry, pool_pages: int, store_uuid: bytes | None = None) -> PagePool:
@@ -165,6 +170,7 @@ class PagePool:
         if self._fd is None:
             return
         self.array = None  # type: ignore[assignment]
+        self.slot_bytes.release()
         try:
             self._mm.close()
         except BufferError:
