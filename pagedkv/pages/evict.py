@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -69,32 +70,33 @@ def evict(mgr: PageTable, count: int, need: int | None = None) -> int:
 
 
 def _evict(mgr: PageTable, count: int, strict: bool) -> int:
-
     victims = _choose(mgr, count)
-    if not victims:
+    if not len(victims):
         return 0
     plan = Plan()
     live = mgr.slot_pid[victims]
     cpids = mgr.slot_cpid[victims]
     freed = live < 0  # a freed page whose committed bytes must outlive its slot
     pids = np.where(freed, cpids, live)
-    fills = np.where(freed, mgr.c_fill[pids], mgr.fill[pids])
-    for slot, pid, committed_only, rec, fill, gen, codec, committed, uid in zip(
-            victims, pids.tolist(), freed.tolist(), mgr.rec[pids].tolist(), fills.tolist(),
-            mgr.gen[pids].tolist(), mgr.codec[pids].tolist(), (cpids == pids).tolist(),
-            mgr.uid[pids].tolist()):
-        if committed_only:
-            item = _put_record(mgr, plan, slot, pid, gen, committed, uid, fill, int(mgr.c_csum[pid]))
-        elif rec != REC_CURRENT:
+    # Most victims keep their current record: they are planned column-wise, and only the
+    # pages that need a record take a Python pass each.
+    write = np.flatnonzero(freed | (mgr.rec[pids] != REC_CURRENT)).tolist()
+    plan.spilled = items = list(map(Spilled._make, zip(
+        victims.tolist(), pids.tolist(), mgr.gen[pids].tolist(), repeat(-1), mgr.codec[pids].tolist(),
+        (cpids == pids).tolist(), mgr.uid[pids].tolist(), repeat(None), repeat(None))))
+    for index in write:
+        slot, pid, gen, _, _, committed, uid, _, _ = items[index]
+        if freed[index]:
+            fill, csum = mgr.c_fill.item(pid), mgr.c_csum.item(pid)
+        else:
             # An unverified page keeps its committed checksum, so damage is caught
             # at restore instead of being laundered into a new record.
-            item = _put_record(mgr, plan, slot, pid, gen, committed, uid, fill, mgr.checksum(pid))
-        else:
-            item = Spilled(slot, pid, gen, -1, codec, committed, uid, None, None)
+            fill, csum = mgr.fill.item(pid), mgr.checksum(pid)
+        items[index] = _put_record(mgr, plan, slot, pid, gen, committed, uid, fill, csum)
+    for item in items:
         if item.entry:
-            entry = mgr.committed_entry(pid, SPILLED, item.c_csum, item.codec)
-            plan.puts.append((mgr.spill.dir, uid_key(uid), entry))
-        plan.spilled.append(item)
+            entry = mgr.committed_entry(item.pid, SPILLED, item.c_csum, item.codec)
+            plan.puts.append((mgr.spill.dir, uid_key(item.uid), entry))
     for uid, nbytes in mgr.doomed:
         plan.deletes.append((mgr.spill.pages, uid_key(uid)))
         plan.removed += nbytes
@@ -127,15 +129,18 @@ def _evict(mgr: PageTable, count: int, strict: bool) -> int:
     return len(victims)
 
 
-def _choose(mgr: PageTable, count: int) -> list[int]:
+def _choose(mgr: PageTable, count: int) -> np.ndarray:
     """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
-    idle = (mgr.pins == 0) & (mgr.bg_pins == 0)
-    reclaim = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0) & idle)
-    live = np.flatnonzero((mgr.slot_pid >= 0) & idle)
+    idle = (mgr.pins | mgr.bg_pins) == 0  # one pass for both counts: zero only where both are
+    held = mgr.slot_pid >= 0
+    live = np.flatnonzero(held & idle)
     if len(live) > count:
         live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
     live = live[np.argsort(mgr.stamp[live], kind="stable")]
-    chosen: list[int] = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]]).tolist()
+    reclaim = np.flatnonzero(~held & (mgr.slot_cpid >= 0) & idle)
+    if not len(reclaim):
+        return live
+    chosen: np.ndarray = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]])
     return chosen
 
 
@@ -179,13 +184,14 @@ def apply_spilled(mgr: PageTable, landed: Sequence[Spilled], slots: Sequence[int
     names and no background batch pins goes to the free list, in that order.
     Column-wise for the whole batch: a pid and a slot appear in it once each.
     """
-    if slots is None:
-        slots = [item.slot for item in landed]
     left = 0
+    fields = list(zip(*landed))  # a tuple per field (none for an empty batch)
+    if slots is None:
+        slots = fields[0] if fields else ()
     if landed:
-        fields = list(zip(*landed))  # a tuple per field
-        pid, entry = np.array(fields[1], np.int64), np.array(fields[5], np.bool_)
-        mine = (mgr.uid[pid] == np.array(fields[6], np.uint64)) & (mgr.live[pid] | entry)
+        pid = np.array(fields[1], np.int64)
+        mine = (mgr.uid[pid] == np.array(fields[6], np.uint64)) & (
+            mgr.live[pid] | np.array(fields[5], np.bool_) if True in fields[5] else mgr.live[pid])
         if not mine.all():
             for item in (item for item, ok in zip(landed, mine.tolist()) if not ok and item.nbytes >= 0):
                 mgr.doomed.append((item.uid, item.nbytes))
@@ -204,28 +210,28 @@ def apply_spilled(mgr: PageTable, landed: Sequence[Spilled], slots: Sequence[int
 def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[Any, ...]]) -> int:
     """``apply_spilled`` for pages whose rows are still theirs (``fields``: theirs, a tuple per field).
 
-    Returns how many left their slot.
+    Returns how many left their slot. The rare cases (rewritten entries, checksums
+    brought along) are found in the field tuples, in C, before any numpy call on them.
     """
-    slot, pid, gen, nbytes, codec, entry = np.array(fields[:6], np.int64)
-    entry = entry.astype(np.bool_)
+    slot, pid, gen, nbytes, codec = np.array(fields[:5], np.int64)
     wrote = nbytes >= 0
     rows = pid[wrote]
-    mgr.spill_bytes += int(nbytes[wrote].sum()) - int(mgr.rec_bytes[rows].sum())
+    mgr.spill_bytes += int(nbytes[wrote].sum() - mgr.rec_bytes[rows].sum())
     mgr.rec_bytes[rows], mgr.codec[rows], mgr.rec[rows] = nbytes[wrote], codec[wrote], REC_CURRENT
-    # The disk now says "spilled", whatever happened to the page since.
-    mgr.c_where[pid[entry]] = SPILLED
-    # Few pages bring checksums, if any (a lossy record's, write-behind's): the Nones are
-    # counted in C before any Python loop runs over the batch.
+    if True in fields[5]:
+        entry = np.array(fields[5], np.bool_)
+        # The disk now says "spilled", whatever happened to the page since.
+        mgr.c_where[pid[entry]] = SPILLED
+        held = entry & (mgr.slot_cpid[slot] == pid)
+        mgr.slot_cpid[slot[held]] = -1
+    # Few pages bring checksums, if any (a lossy record's, write-behind's).
     lossy = [] if fields[8].count(None) == len(landed) else [
         (row, item.c_csum) for row, item in zip(pid.tolist(), landed) if item.c_csum is not None and item.entry]
     if lossy:
         mgr.c_csum[[row for row, _ in lossy]] = np.array([value for _, value in lossy], np.uint64)
-    held = entry & (mgr.slot_cpid[slot] == pid)
-    mgr.slot_cpid[slot[held]] = -1
     there = mgr.live[pid] & (mgr.slot[pid] == slot)
-    rewritten = there & (mgr.gen[pid] != gen)
-    mgr.rec[pid[rewritten]] = REC_STALE  # its record holds an older fill
-    same = there & ~rewritten
+    same = there & (mgr.gen[pid] == gen)
+    mgr.rec[pid[there ^ same]] = REC_STALE  # rewritten since: its record holds an older fill
     known = [] if fields[7].count(None) == len(landed) else [
         (row, item.csum) for row, item, ok in zip(pid.tolist(), landed, same.tolist())
         if ok and item.csum is not None]
@@ -233,10 +239,11 @@ def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[An
         rows = np.array([row for row, _ in known], np.int64)
         mgr.csum[rows], mgr.csum_ok[rows] = np.array([value for _, value in known], np.uint64), True
     out = same & (mgr.pins[slot] == 0)  # a pinned page stays resident, its record current
-    mgr.pstamp[pid[out]] = mgr.stamp[slot[out]]
-    mgr.slot[pid[out]] = -1
-    mgr.slot_pid[slot[out]] = -1
-    return int(np.count_nonzero(out))
+    leaving, emptied = pid[out], slot[out]
+    mgr.pstamp[leaving] = mgr.stamp[emptied]
+    mgr.slot[leaving] = -1
+    mgr.slot_pid[emptied] = -1
+    return len(leaving)
 
 
 def land_background(mgr: PageTable, slots: list[int], landed: list[Spilled]) -> None:

@@ -19,6 +19,7 @@ from .restore import restore
 from .table import PageTable
 
 log = logging.getLogger(__name__)
+_FEW = 16  # pages a restore deduplicates with Python sets rather than np.unique
 
 __all__ = ["BlockManager", "CODEC_SHIFT", "HAS_TOKENS", "HASHED", "NOWHERE", "REC_CURRENT",
            "REC_NONE", "REC_STALE", "SPILLED"]
@@ -145,12 +146,15 @@ class BlockManager(PageTable):
         slots = self.slot[pids]
         missing = slots < 0
         nmissing = int(np.count_nonzero(missing))
-        self.stats.add("resident_hits", len(pids) - nmissing)
+        self.stats.counts["resident_hits"] += len(pids) - nmissing
         if nmissing:
             held = slots[~missing]
-            np.add.at(self.pins, held, ONE)
-            wanted = np.unique(pids[missing])
-            known = self.corrupt[wanted].copy()
+            if len(held):
+                np.add.at(self.pins, held, ONE)
+            # A step's few pages are deduplicated in Python: np.unique's setup costs more.
+            wanted = (np.array(sorted(set(pids[missing].tolist())), np.int64) if nmissing <= _FEW
+                      else np.unique(pids[missing]))
+            known = self.corrupt[wanted]
             try:
                 restore(self, wanted)
             except PageCorrupt:
@@ -159,7 +163,8 @@ class BlockManager(PageTable):
                                 "is unreadable until it is rewritten", int(self.uid[pid]))
                 raise
             finally:
-                np.subtract.at(self.pins, held, ONE)
+                if len(held):
+                    np.subtract.at(self.pins, held, ONE)
             slots = self.slot[pids]
         self.touch(slots)
         resident: np.ndarray = slots

@@ -81,8 +81,13 @@ def restore(mgr: PageTable, pids: np.ndarray) -> None:
     # Under a spill cap, restore a batch at a time: each batch's eviction can then
     # free the records the previous batch made redundant, so the cap is never
     # passed by more than one batch. Restored batches stay pinned until the end.
-    chunk = mgr.evict_batch if mgr.spill_limit is not None else max(count, 1)
-    bad: PageCorrupt | None = None
+    if mgr.spill_limit is None:  # one batch
+        _, bad = _restore_batch(mgr, pids, take_slots(mgr, count))
+        if bad is not None:
+            raise bad
+        return
+    chunk = mgr.evict_batch
+    bad = None
     held: list[int] = []
     try:
         for start in range(0, count, chunk):
@@ -114,10 +119,11 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
     filled: list[int] = []
     bad: PageCorrupt | None = None
     done = nbytes = misses = 0
+    clock = time.perf_counter
     try:
         with mgr.spill.begin_read() as txn:
+            started = clock()  # a page's latency runs from the end of the one before: one clock read a page
             for pid, slot, uid, fill, csum, corrupt in columns:
-                started = time.perf_counter()
                 try:
                     if corrupt:
                         raise PageCorrupt(f"page {uid} is corrupt", uid)
@@ -129,20 +135,24 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
                     misses += 1
                     bad = bad or exc
                     done += 1
+                    started = clock()
                     continue
                 mgr.place(pid, slot)
                 filled.append(slot)
                 done += 1
                 nbytes += size
-                stats.restore_latency(time.perf_counter() - started)
+                now = clock()
+                stats.restore_latency(now - started)
+                started = now
     except BaseException:
         mgr.free_slots.extend(slots[done:])
         raise
     finally:
-        stats.add("restores", len(filled))
-        stats.add("spill_hits", len(filled))
-        stats.add("bytes_restored", nbytes)
-        stats.add("misses", misses)
+        counts = stats.counts
+        counts["restores"] += len(filled)
+        counts["spill_hits"] += len(filled)
+        counts["bytes_restored"] += nbytes
+        counts["misses"] += misses
     return filled, bad
 
 
