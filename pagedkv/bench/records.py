@@ -1,4 +1,4 @@
-"""What a store's LMDB write transactions write, and a bare replay of the same records (B7's like-for-like).
+"""What a store's commits write, and bare replays of the same writes (B7's like-for-like floors).
 
 ``recording(store)`` logs every put and delete of the store's write
 transactions while it is active, per database, with the values' bytes: no
@@ -7,19 +7,30 @@ transaction entry point (``SpillStore.write``, and the hook it calls inside
 each transaction) for the untimed commit it counts. ``SameRecords`` then
 writes exactly those records (same databases, keys and value sizes) into a
 bare LMDB environment holding a copy of the store's records, in one
-transaction, unsynced: the floor of a nosync commit of that step.
+transaction: unsynced, the floor of a nosync commit of that step.
+
+A durable commit syncs twice: the pool bytes it wrote, then LMDB.
+``flushes()`` records the byte ranges of ``pool.bin`` a commit msyncs (through
+the flush recorder the power-loss tests use), and ``TwoSyncFloor`` replays a
+commit bare: the step's writes into a mapping of a file the size of
+``pool.bin`` (untimed), msync of the same ranges, then a synced commit of the
+same records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, cast
 
 import lmdb
+import numpy as np
 
+from .. import faults
+from ..storage.pool import HEADER_NBYTES
 from ..storage.spill import DB_NAMES
 from ..store import KVStore
 
@@ -167,3 +178,60 @@ class SameRecords:
     def close(self) -> None:
         """Close the environment."""
         self.env.close()
+
+
+@contextlib.contextmanager
+def flushes(store: KVStore) -> Iterator[list[tuple[int, int]]]:
+    """The byte ranges of ``store``'s pool file msynced inside the block, in order (a list it fills)."""
+    target = store._pool_file
+    ranges: list[tuple[int, int]] = []
+
+    def record(flushed: Any, start: int, end: int) -> None:
+        if flushed is target:
+            ranges.append((start, end))
+
+    faults.set_flush_recorder(record)
+    try:
+        yield ranges
+    finally:
+        faults.set_flush_recorder(None)
+
+
+class TwoSyncFloor:
+    """A durable commit's two syncs, bare: the pool ranges it flushed, then a synced commit of its records.
+
+    The file is reserved like ``pool.bin`` and holds the same slots at the same
+    offsets, so the step's writes (``written``) dirty the same file pages and
+    each msync writes back what the store's did.
+    """
+
+    def __init__(self, path: str, store: KVStore, log: TxnLog) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.records = SameRecords(os.path.join(path, "records"), store, log, sync=True)
+        pool = store.pool
+        fd = os.open(os.path.join(path, "pool.bin"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, HEADER_NBYTES + pool.nbytes)
+            self._mm = mmap.mmap(fd, HEADER_NBYTES + pool.nbytes)
+        finally:
+            os.close(fd)
+        self.pool: np.ndarray = np.frombuffer(self._mm, pool.dtype, offset=HEADER_NBYTES).reshape(pool.shape)
+        self.flush_ms: list[float] = []  # each round's two parts, for the row's metrics
+        self.commit_ms: list[float] = []
+
+    def round_ms(self, written: tuple[np.ndarray, np.ndarray, np.ndarray], ranges: list[tuple[int, int]]) -> float:
+        """Write what the step wrote (untimed), msync ``ranges``, commit the records synced; milliseconds."""
+        slots, offsets, token = written
+        self.pool[slots, :, :, offsets] = token
+        started = time.perf_counter()
+        for start, end in ranges:
+            self._mm.flush(start, end - start)
+        self.flush_ms.append((time.perf_counter() - started) * 1e3)
+        self.commit_ms.append(self.records.commit_ms())
+        return self.flush_ms[-1] + self.commit_ms[-1]
+
+    def close(self) -> None:
+        """Unmap the file and close the environment."""
+        del self.pool  # the mapping cannot close while a view exports it
+        self._mm.close()
+        self.records.close()
