@@ -121,7 +121,7 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
     done = nbytes = misses = 0
     clock = time.perf_counter
     try:
-        with mgr.spill.begin_read() as txn:
+        with mgr.spill.locked_read() as txn:  # restores run under the store lock
             started = clock()  # a page's latency runs from the end of the one before: one clock read a page
             for pid, slot, uid, fill, csum, corrupt in columns:
                 try:
