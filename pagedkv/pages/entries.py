@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from ..storage.metarecord import DIR_DTYPE, TAG_DIR, TRAILER
+from ..storage.metarecord import DIR_DTYPE, TAG_DIR
 from .directory import CODEC_SHIFT, SPILLED
 from .manager import BlockManager
 from .sequence import Sequence
@@ -28,41 +28,39 @@ GATHER_BYTES = 16 << 20  # partial-page bytes copied per checksum batch: bounded
 _IDENT_DTYPE = np.dtype([("uid", "<u8"), ("fill", "<u4")])  # what page_checksum hashes first
 # A directory entry's checksum covers the database tag, the key's length, the key, then the body.
 _DIR_HEAD = TAG_DIR + (8).to_bytes(2, "little")  # uid keys are 8 bytes
+# One sealed directory record: the checksummed input (head, key, body), then the checksum.
+_DIR_RECORD = np.dtype([("head", f"V{len(_DIR_HEAD)}"), ("key", ">u8"), ("body", DIR_DTYPE), ("sum", "<u8")])
+_DIR_KEY_AT = len(_DIR_HEAD)
+_DIR_BODY_AT = _DIR_KEY_AT + 8
+_DIR_SUM_AT = _DIR_BODY_AT + DIR_DTYPE.itemsize
 
 
 def dir_entries(mgr: BlockManager, pids: NDArray[np.int64]) -> tuple[list[tuple[bytes, bytes]], NDArray[np.int32]]:
     """The sealed directory entries of ``pids`` as (key, value) pairs, and each page's placement.
 
     A resident page is recorded at its slot, any other as ``SPILLED``. The same
-    bytes ``metarecord.dir_value`` gives, for all pages in a few numpy passes:
-    the checksummed input and the values are fixed-size rows, so each turns
-    into a list of bytes in one call.
+    bytes ``metarecord.dir_value`` gives: every record is one fixed-size row of
+    one array (the checksummed input, then the checksum), so the inputs, the
+    keys and the values each turn into a list of bytes in one call.
     """
     count = len(pids)
     slots = mgr.slot[pids]
     if not count:
         return [], slots.astype(np.int32)
     where = np.where(slots >= 0, slots, SPILLED).astype(np.int32)
-    rows = np.zeros(count, DIR_DTYPE)
-    rows["where"], rows["fill"], rows["csum"] = where, mgr.fill[pids], mgr.csum[pids]
-    rows["flags"] = mgr.flags[pids].astype(np.uint32) | mgr.codec[pids].astype(np.uint32) << CODEC_SHIFT
-    rows["hash"], rows["parent"], rows["chain"] = mgr.hash[pids], mgr.parent[pids], mgr.chain[pids]
-    head, body = len(_DIR_HEAD), DIR_DTYPE.itemsize
-    sealed_input = np.empty((count, head + 8 + body), np.uint8)
-    sealed_input[:, :head] = np.frombuffer(_DIR_HEAD, np.uint8)
-    sealed_input[:, head:head + 8] = mgr.uid[pids].astype(">u8").view(np.uint8).reshape(count, 8)
-    sealed_input[:, head + 8:] = rows.view(np.uint8).reshape(count, body)
-    digests = list(map(xxhash.xxh3_64_intdigest, _fixed_rows(sealed_input), repeat(mgr.seed)))
-    values = np.empty((count, body + TRAILER), np.uint8)
-    values[:, :body] = sealed_input[:, head + 8:]
-    values[:, body:] = np.array(digests, np.uint64).astype("<u8").view(np.uint8).reshape(count, TRAILER)
-    return list(zip(_fixed_rows(sealed_input[:, head:head + 8]), _fixed_rows(values))), where
-
-
-def _fixed_rows(rows: NDArray[np.uint8]) -> list[bytes]:
-    """Each row of a 2-D byte array as bytes (one numpy call: a void item converts to bytes whole)."""
-    items: list[bytes] = np.ascontiguousarray(rows).view(f"V{rows.shape[1]}").ravel().tolist()
-    return items
+    records = np.empty(count, _DIR_RECORD)
+    records["head"] = _DIR_HEAD
+    records["key"] = mgr.uid[pids]
+    body = records["body"]
+    body["where"], body["fill"], body["csum"] = where, mgr.fill[pids], mgr.csum[pids]
+    body["flags"] = mgr.flags[pids].astype(np.uint32) | mgr.codec[pids].astype(np.uint32) << CODEC_SHIFT
+    body["hash"], body["parent"], body["chain"] = mgr.hash[pids], mgr.parent[pids], mgr.chain[pids]
+    raw = records.view(np.uint8).reshape(count, _DIR_RECORD.itemsize)
+    inputs = raw[:, :_DIR_SUM_AT].view(f"V{_DIR_SUM_AT}")[:, 0].tolist()
+    records["sum"] = np.fromiter(map(xxhash.xxh3_64_intdigest, inputs, repeat(mgr.seed)), np.uint64, count)
+    keys = raw[:, _DIR_KEY_AT:_DIR_BODY_AT].view("V8")[:, 0].tolist()
+    values = raw[:, _DIR_BODY_AT:].view(f"V{_DIR_RECORD.itemsize - _DIR_BODY_AT}")[:, 0].tolist()
+    return list(zip(keys, values)), where
 
 
 def pack_tables(mgr: BlockManager, seqs: list[Sequence]) -> list[bytes]:
@@ -78,7 +76,7 @@ def pack_tables(mgr: BlockManager, seqs: list[Sequence]) -> list[bytes]:
     values, low = [], 0
     for seq in seqs:
         high = low + 8 * seq.npages
-        values.append(pack([seq.seq_id, seq.length, uids[low:high]]))
+        values.append(pack((seq.seq_id, seq.length, uids[low:high])))  # a tuple packs as the list does
         low = high
     return values
 

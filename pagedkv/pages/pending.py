@@ -57,7 +57,14 @@ class PendingRows:
 
     def rows(self) -> Rows:
         """Every distinct row noted since the last ``clear``, ascending (unfiltered)."""
-        distinct: Rows = np.unique(np.frombuffer(self._log, np.int64))
+        # Sorting and dropping repeats: np.unique's hash-based path costs twice as much at these sizes.
+        ordered: Rows = np.sort(np.frombuffer(self._log, np.int64))
+        if len(ordered) < 2:
+            return ordered
+        keep = np.empty(len(ordered), np.bool_)
+        keep[0] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+        distinct: Rows = ordered[keep]
         return distinct
 
     def clear(self) -> None:

@@ -95,18 +95,20 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
     pids = noted[mgr.chg[noted] & mgr.live[noted]]
     refresh_checksums(mgr, pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]])
     entries, where = dir_entries(mgr, pids)
+    flags = mgr.flags[pids]
     token_keys, token_bodies = [], []
-    for pid in pids[(mgr.flags[pids] & HAS_TOKENS) != 0].tolist():
+    for pid in pids[(flags & HAS_TOKENS) != 0].tolist():
         held = mgr.page_tokens.get(pid)
         if held is not None:
             token_keys.append(uid_key(int(mgr.uid[pid])))
             token_bodies.append(held.tobytes())
     token_puts = list(zip(token_keys, seal_many(TAG_TOKENS, token_keys, token_bodies, mgr.seed)))
-    lost = pids[((mgr.c_flags[pids] & HAS_TOKENS) != 0) & ((mgr.flags[pids] & HAS_TOKENS) == 0)]
+    lost = pids[(mgr.c_flags[pids] & ~flags & HAS_TOKENS) != 0]
     token_deletes = uid_keys(mgr.uid[lost])  # ids no longer known: their stored list is stale
     zombies = np.asarray(mgr.zombies, np.int64)
-    gone = np.concatenate([pids[(where >= 0) & (mgr.rec[pids] != REC_NONE)],
-                           zombies[mgr.rec[zombies] != REC_NONE]])  # records no longer needed
+    gone = pids[(where >= 0) & (mgr.rec[pids] != REC_NONE)]  # records no longer needed
+    if len(zombies):
+        gone = np.concatenate([gone, zombies[mgr.rec[zombies] != REC_NONE]])
     record_deletes = uid_keys(mgr.uid[gone]) + [uid_key(uid) for uid, _ in mgr.doomed]
     zombie_keys = uid_keys(mgr.uid[zombies])
     faults.crashpoint("commit.before_flush")
@@ -226,6 +228,8 @@ def record_counts(mgr: BlockManager, txn: Any) -> None:
 
 def uid_keys(uids: np.ndarray) -> list[bytes]:
     """The LMDB keys of ``uids`` (big-endian u64 each)."""
+    if not len(uids):  # most of a commit's lists of deletions are empty
+        return []
     blob = np.asarray(uids, np.uint64).astype(">u8").tobytes()
     return [blob[at:at + 8] for at in range(0, len(blob), 8)]
 

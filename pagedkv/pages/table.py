@@ -291,13 +291,15 @@ class PageTable(Directory):
         join the free list here; every other slot's standing is unchanged by a
         commit, so the list need not be rebuilt.
         """
-        self.spill_bytes -= int(self.rec_bytes[gone].sum()) + sum(nbytes for _, nbytes in self.doomed)
-        self.rec_bytes[gone] = 0
-        self.rec[gone] = REC_NONE
-        moved = np.concatenate([pids, zombies])
+        if len(gone) or self.doomed:  # a decode step's commit deletes no record
+            self.spill_bytes -= int(self.rec_bytes[gone].sum()) + sum(nbytes for _, nbytes in self.doomed)
+            self.rec_bytes[gone] = 0
+            self.rec[gone] = REC_NONE
+        moved = np.concatenate([pids, zombies]) if len(zombies) else pids
         old = self.c_where[moved]
         held = old >= 0
-        clear = old[held][self.slot_cpid[old[held]] == moved[held]]
+        slots = old[held]
+        clear = slots[self.slot_cpid[slots] == moved[held]]
         self.slot_cpid[clear] = -1
         self.c_where[pids], self.c_fill[pids], self.c_csum[pids] = where, self.fill[pids], self.csum[pids]
         self.c_flags[pids] = self.flags[pids]
@@ -305,13 +307,15 @@ class PageTable(Directory):
         self.slot_cpid[where[resident]] = pids[resident]
         if self.page_tokens:  # token ids of full pages now live in the tokens table
             self.page_tokens.drop_many(pids[self.fill[pids] == self.geom.page_size].tolist())
-        self.c_where[zombies] = NOWHERE
-        for pid in zombies.tolist():
-            self._recycle(pid)
+        if len(zombies):
+            self.c_where[zombies] = NOWHERE
+            for pid in zombies.tolist():
+                self._recycle(pid)
         moved_refs = self.refs_moved.rows()
         self.c_ref[moved_refs] = self.ref[moved_refs]
-        freed = clear[(self.slot_pid[clear] < 0) & (self.slot_cpid[clear] < 0) & (self.bg_pins[clear] == 0)]
-        self.free_slots.extend(freed.tolist())
+        if len(clear):
+            freed = clear[(self.slot_pid[clear] < 0) & (self.slot_cpid[clear] < 0) & (self.bg_pins[clear] == 0)]
+            self.free_slots.extend(freed.tolist())
         self.chg[noted] = False
         self.changed.clear()
         self.refs_moved.clear()
