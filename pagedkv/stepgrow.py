@@ -78,6 +78,11 @@ def inplace_tokens(store: StoreCore, step: StepState, seqs: list[Sequence], rows
     ``pids`` where the indexed write found them (-1 elsewhere), or None.
     """
     mgr = store._mgr
+    if hint is not None and step.ordered_ids is not None:
+        rows_now = _all_hinted(mgr, pids, offsets[rows], hint)
+        if rows_now is not None:  # the steady decode step: every row continues where the batch left it
+            mgr.page_tokens.write_one_each(rows_now, offsets[rows], step.ordered_ids[rows])
+            return rows_now
     with_ids = (mgr.flags[pids] & HAS_TOKENS) != 0
     todo = np.flatnonzero(with_ids | step.has_ids)
     found = None
@@ -95,3 +100,18 @@ def inplace_tokens(store: StoreCore, step: StepState, seqs: list[Sequence], rows
         seq_id = seqs[int(rows[index])].seq_id
         write_tokens(mgr, int(pids[index]), int(offsets[rows[index]]), step.token_ids.get(seq_id))
     return found
+
+
+def _all_hinted(mgr: Any, pids: np.ndarray, at: np.ndarray, hint: np.ndarray) -> np.ndarray | None:
+    """The slab rows of ``pids`` if every page holds its ids in memory, ``at`` of them, in its hinted row.
+
+    A slab row owned by a page is that page's only row, so a hint clipped into the
+    slab is right wherever its owner matches. Else None: ``inplace_tokens`` then
+    sorts the rows out one check at a time.
+    """
+    tokens = mgr.page_tokens
+    if not len(tokens.owner):
+        return None
+    rows = hint.clip(0, len(tokens.owner) - 1)
+    ok = (tokens.owner[rows] == pids) & (tokens.lens[rows] == at)
+    return rows if ok.all() and (mgr.flags[pids] & HAS_TOKENS).all() else None

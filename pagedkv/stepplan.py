@@ -49,6 +49,9 @@ class _Batch:
         # and steps move them, and a step leaves them here.
         self.last_pids, self.last_fill = last_pids, last_fill
         self.last_slab = last_slab  # their slab rows of token ids (a hint: PageTokens checks it)
+        # The LRU clock once the step had stamped its slots: unchanged at the next step, no
+        # slot was used since, so the batch's slots are still the most recently used.
+        self.tick = -1
 
 
 def pages_needed(store: StoreCore, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -112,6 +115,8 @@ def begin(store: StoreCore, step: StepState) -> None:
         partial = (offsets != 0) & (counts > 0)
     width = int(new_npages.max())
     tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
+    # Stamping every held slot again would change no LRU choice: nothing used a slot since.
+    touch = not (reused and batch is not None and batch.tick == mgr.tick)
     if batch is not None and batch.last_pids is not None:  # pids and fills as the last step left them
         last_pids, last_fill = batch.last_pids, batch.last_fill
     else:
@@ -177,7 +182,8 @@ def begin(store: StoreCore, step: StepState) -> None:
         known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
                          after, new_npages, members, by_key, rows, next_pids, next_fill, next_slab)
-    _outputs(store, step, tables, lengths, counts, after, offsets, width, held, rows)
+    _outputs(store, step, tables, lengths, counts, after, offsets, width, held if touch else NONE, rows)
+    known.batch.tick = mgr.tick
 
 
 def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members: frozenset[Sequence],
@@ -287,7 +293,7 @@ def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.
 
 def _outputs(store: StoreCore, step: StepState, tables: np.ndarray, lengths: np.ndarray,
              counts: np.ndarray, after: np.ndarray, offsets: np.ndarray, width: int,
-             held: np.ndarray, rows: np.ndarray) -> None:
+             touched: np.ndarray, rows: np.ndarray) -> None:
     mgr, page_size = store._mgr, store.geometry.page_size
     step.block_tables = tables[:, :width].copy()  # the batch cache keeps mutating ``tables``
     if step.decode:  # one token each: at each row's length
@@ -300,7 +306,8 @@ def _outputs(store: StoreCore, step: StepState, tables: np.ndarray, lengths: np.
     page_slots = tables[token_rows, positions // page_size]
     step.slot_mapping = page_slots.astype(np.int64) * page_size + within
     step.seq_lens = after.astype(np.int32)
-    mgr.touch(held)  # the step's new pages were stamped as they were placed
+    if len(touched):
+        mgr.touch(touched)  # the step's new pages were stamped as they were placed
 
 
 def end(store: StoreCore, step: StepState, ok: bool) -> None:
@@ -318,8 +325,12 @@ def end(store: StoreCore, step: StepState, ok: bool) -> None:
             elif step.has_ids:
                 # Pages are hashed (and so shareable) only once the engine wrote their K/V.
                 before = np.asarray(lengths, np.int64)
-                after = before + np.asarray(step.new_tokens, np.int64)
-                for row in np.flatnonzero(after // page_size > before // page_size).tolist():
+                if step.decode:  # one token each: a row filled its page iff that token was the page's last
+                    crossed = np.flatnonzero(before % page_size == page_size - 1)
+                else:
+                    after = before + np.asarray(step.new_tokens, np.int64)
+                    crossed = np.flatnonzero(after // page_size > before // page_size)
+                for row in crossed.tolist():
                     seq = step._seqs[row]
                     for index in range(int(lengths[row]) // page_size, seq.length // page_size):
                         seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)

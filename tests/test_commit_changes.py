@@ -67,7 +67,16 @@ def differs_from_committed(mgr: BlockManager) -> np.ndarray:
                                       | (mgr.flags != mgr.c_flags) | (mgr.csum_ok & (mgr.csum != mgr.c_csum))))
 
 
+def check_spare_rows(mgr: BlockManager) -> None:
+    """Every spare row holds every column's default: a new page takes one as it is."""
+    spare = np.frombuffer(mgr.free_pids, np.int64)
+    for column, default in mgr._defaults:
+        assert column[spare].tobytes() == np.full(len(spare), default, column.dtype).tobytes(), \
+            "a spare directory row holds a value a new page would inherit"
+
+
 def check_before_commit(mgr: BlockManager) -> None:
+    check_spare_rows(mgr)
     noted = mgr.changed.rows()
     written = noted[mgr.chg[noted] & mgr.live[noted]]
     assert np.array_equal(written, full_scan_changed(mgr)), "a row marked changed was not noted"

@@ -123,3 +123,31 @@ def test_small_decode_steps_plan_the_same_with_python_ints_and_with_numpy(stores
     monkeypatch.setattr(pagedkv.stepplan, "_FEW", 0)  # every step takes the numpy plan
     vectorised = _run(stores, "numpy", seed)
     assert as_is == vectorised
+
+
+@pytest.mark.parametrize("interleaved_read", [False, True])
+def test_a_running_batch_stays_most_recently_used(stores, interleaved_read: bool) -> None:
+    """Steps of the same batch skip re-stamping their slots while no other slot was used; an
+    eviction after them must still take the idle sequence's pages, never the batch's."""
+    store = stores.open(pool_pages=40, evict_batch=1)  # each eviction takes the single oldest slot
+    k = np.zeros((GEOM.layers, 16 * PS, GEOM.kv_heads, GEOM.head_dim), GEOM.np_dtype)
+    store.create("idle")
+    store.append("idle", k[:, :6 * PS], k[:, :6 * PS])  # 6 pages, used before the batch
+    batch = {name: 1 for name in range(5)}  # 5 sequences, beyond the Python-int plan
+    for name in batch:
+        store.create(name)
+        store.append(name, k[:, :PS + 1], k[:, :PS + 1])  # 2 pages each
+    for index in range(2 * PS):  # many steps of one batch, crossing pages: some slots are new
+        with store.step(batch):
+            pass  # the bytes do not matter here, only which slots the step used
+        if interleaved_read and index == 2 * PS - 2:
+            store.read("idle")  # slots used between steps: the next step stamps the batch's again
+    assert store.stats()["evictions"] == 0
+    store.create("late")
+    store.append("late", k, k)  # 16 new pages beside the 26 held: two evictions
+    mgr = store._mgr
+    batch_pids = np.concatenate([store._seqs.find(name).table for name in batch])
+    assert (mgr.slot[batch_pids] >= 0).all(), "an eviction took a page of the running batch"
+    idle = store._seqs.find("idle").table
+    assert (mgr.slot[idle] < 0).sum() == store.stats()["evictions"] == 2, \
+        "the idle sequence's pages were not the victims"

@@ -242,6 +242,7 @@ class PageTable(Directory):
         if self._cap < count + 1:
             self._grow(count + max(64, count // 8))
         self.free_pids = array("q", range(self._cap - 1, count - 1, -1))
+        self._freed = array("q")
         pids = np.arange(count)
         where = rows["where"].astype(np.int32)
         fill = rows["fill"].astype(np.int64)
