@@ -223,7 +223,7 @@ class PageTable(Directory):
         """``pid`` (full, its ids known) has the chained hash ``digest`` after chain class
         ``parent_class``: index it and give it the chain class of an equal page, or its own."""
         self.hash[pid] = digest  # before the index holds it: a rebuild reads every held row's hash
-        chain = self.prefix.insert(digest, pid, parent_class, token_ids, self) or int(self.uid[pid])
+        chain = self.prefix.insert(digest, pid, parent_class, token_ids, self) or self.uid.item(pid)
         self.parent[pid] = parent_class
         self.chain[pid] = chain
         self.flags[pid] |= HASHED
