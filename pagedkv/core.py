@@ -56,13 +56,19 @@ def _count_fork() -> None:
 os.register_at_fork(after_in_child=_count_fork)
 
 
-def _op(write: bool) -> Callable[[F], F]:
-    """Serialise a public operation on the store lock and check the handle is usable."""
+def _op(write: bool, keeps_pins: bool = False) -> Callable[[F], F]:
+    """Serialise a public operation on the store lock and check the handle is usable.
+
+    Pins a batch's last step kept for its next step are given back first, except
+    by a step (``keeps_pins``), which takes them over if it is that next step.
+    """
 
     def wrap(fn: F) -> F:
         def inner(self: StoreCore, *args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 self._usable(write)
+                if not keeps_pins and self._mgr.kept_for is not None:
+                    self._mgr.release_kept()
                 try:
                     return fn(self, *args, **kwargs)
                 except lmdb.Error as exc:

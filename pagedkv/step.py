@@ -37,7 +37,7 @@ class Step(StepState):
         _exit_step(self._store, self, ok=exc_type is None)
 
 
-@_op(write=True)
+@_op(write=True, keeps_pins=True)
 def _enter_step(store: StoreCore, step: Step) -> None:
     """Begin ``step`` on ``store``: an operation of its own (locked, checked, I/O errors typed)."""
     begin(store, step)

@@ -124,7 +124,11 @@ def begin(store: StoreCore, step: StepState) -> None:
         last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
-    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
+    if reused and batch is not None and mgr.kept_for is batch and new_pages + copies <= mgr.available():
+        held = _take_kept(store, step, seqs)
+    else:
+        mgr.release_kept()
+        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
@@ -182,6 +186,10 @@ def begin(store: StoreCore, step: StepState) -> None:
         known.dirty.update((seqs[row].key, seqs[row]) for row in np.flatnonzero(counts).tolist())
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch,
                          after, new_npages, members, by_key, rows, next_pids, next_fill, next_slab)
+    if decode and not copies:
+        # Its table changed by new pages alone: the batch's next step holds exactly the
+        # slots this one pinned, and may take their pins over (end, keep_pins).
+        step._keep_for = known.batch
     _outputs(store, step, tables, lengths, counts, after, offsets, width, held if touch else NONE, rows)
     known.batch.tick = mgr.tick
 
@@ -262,6 +270,21 @@ def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: n
     return held
 
 
+def _take_kept(store: StoreCore, step: StepState, seqs: list[Sequence]) -> np.ndarray:
+    """``_pin_held`` for the next step of a batch whose last step kept its pins: they are this step's.
+
+    Its table is the last step's with that step's new pages (only such a step
+    keeps), so the kept slots are exactly the ones it holds, each pinned already.
+    """
+    mgr = store._mgr
+    held = mgr.kept
+    mgr.kept, mgr.kept_for = held[:0], None
+    mgr.stats.add("resident_hits", len(held))
+    step._held = held
+    step._seqs = seqs
+    return held
+
+
 def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.ndarray,
             width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool]:
     """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
@@ -335,9 +358,13 @@ def end(store: StoreCore, step: StepState, ok: bool) -> None:
                     for index in range(int(lengths[row]) // page_size, seq.length // page_size):
                         seal(mgr, int(seq.pids[index]), int(seq.pids[index - 1]) if index else -1)
     finally:
-        if len(step._held):
-            np.subtract.at(mgr.pins, step._held, ONE)
-        if step._extra:
-            mgr.pins[step._extra] -= 1  # distinct: new pages and copies
-        step._held, step._extra = NONE, []
+        if ok and step._keep_for is not None:  # for the batch's next step (or any operation) to release
+            extra = np.asarray(step._extra, np.int32)
+            mgr.keep_pins(np.concatenate([step._held, extra]) if len(extra) else step._held, step._keep_for)
+        else:
+            if len(step._held):
+                np.subtract.at(mgr.pins, step._held, ONE)
+            if step._extra:
+                mgr.pins[step._extra] -= 1  # distinct: new pages and copies
+        step._held, step._extra, step._keep_for = NONE, [], None
         store._seqs.busy.pop(id(step), None)

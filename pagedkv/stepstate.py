@@ -52,6 +52,7 @@ class StepState:
         self._undo: tuple[Any, ...] = ()  # lengths, pages, last pages, their fills (arrays or lists)
         self._held = NONE  # the slots of the step's existing pages, pinned (a slot per reference)
         self._extra: list[int] = []  # slots pinned one by one: new pages and copies
+        self._keep_for: object | None = None  # the batch whose next step may take the pins over
         self.members: frozenset[Sequence] = frozenset()  # the sequences, while the step is active
 
     @property

@@ -63,6 +63,10 @@ class PageTable(Directory):
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)  # the page whose committed bytes it holds
         self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed as "lru")
         self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
+        # Pins the last step of a batch left in place for its next step (keep_pins): the
+        # next operation of any other kind gives them back first (release_kept).
+        self.kept = np.zeros(0, np.int32)
+        self.kept_for: object | None = None  # the batch they were kept for
         self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))  # taken from the end
         self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
         # Rows the next commit visits, so that it costs what changed rather than the directory:
@@ -140,6 +144,22 @@ class PageTable(Directory):
         """Mark ``slots`` as used now (one tick for the whole call)."""
         self.tick += 1
         self.stamp[slots] = self.tick
+
+    def keep_pins(self, slots: np.ndarray, owner: object) -> None:
+        """Leave ``slots`` (each pinned once per entry) pinned after their step, for ``owner``'s next step.
+
+        A batch's next decode step pins the same slots again, and unpinning and
+        pinning them all was a tenth of such a step.
+        """
+        self.release_kept()
+        self.kept, self.kept_for = slots, owner
+
+    def release_kept(self) -> None:
+        """Unpin what ``keep_pins`` left pinned (nothing if nothing is kept)."""
+        if len(self.kept):
+            np.subtract.at(self.pins, self.kept, ONE)
+            self.kept = self.kept[:0]
+        self.kept_for = None
 
     def available(self) -> int:
         """How many slots are free or could be freed now (not pinned)."""
