@@ -21,6 +21,7 @@ from .errors import PoolExhausted
 from .pages.prefix import seal, write_tokens
 from .pages.sequence import SeqId, Sequence
 from .pages.directory import HAS_TOKENS, ONE
+from .pages.manager import BlockManager
 from .stepgrow import fresh_pages, grow, inplace_tokens
 from .stepstate import NONE, StepState
 
@@ -115,8 +116,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         partial = (offsets != 0) & (counts > 0)
     width = int(new_npages.max())
     tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
-    # Stamping every held slot again would change no LRU choice: nothing used a slot since.
-    touch = not (reused and batch is not None and batch.tick == mgr.tick)
+    touch = _stamps_held(mgr, batch, reused)
     if batch is not None and batch.last_pids is not None:  # pids and fills as the last step left them
         last_pids, last_fill = batch.last_pids, batch.last_fill
     else:
@@ -194,6 +194,17 @@ def begin(store: StoreCore, step: StepState) -> None:
     known.batch.tick = mgr.tick
 
 
+def _stamps_held(mgr: BlockManager, batch: _Batch | None, reused: bool) -> bool:
+    """Whether a step must stamp its held slots as used: not when that would change no LRU choice.
+
+    A table just resolved had its slots stamped by ``ensure_resident``; a reused
+    one whose batch stamped them at its last step, with no slot used since, has
+    them still the most recently used. Only the step's order among its own slots
+    would change, which no eviction outside the batch looks at.
+    """
+    return reused and not (batch is not None and batch.tick == mgr.tick)
+
+
 def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members: frozenset[Sequence],
                batch: _Batch | None) -> None:
     """``begin`` for a decode step of at most ``_FEW`` sequences, planned with Python ints.
@@ -208,6 +219,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     new_pages = sum(new_npages) - sum(npages)
     width = max(new_npages)
     tables, reused = _tables(store, step, seqs, np.asarray(npages, np.int64), width, batch, new_pages)
+    touch = _stamps_held(mgr, batch, reused)
     last_pids = [int(seq.pids[n - 1]) if n else -1 for seq, n in zip(seqs, npages)]
     last_fill = [int(mgr.fill[pid]) if pid >= 0 else 0 for pid in last_pids]
     grows, inplace, copies = [], [], 0
@@ -245,7 +257,9 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)
     step.seq_lens = np.array(after, np.int32)
-    mgr.touch(held)
+    if touch:
+        mgr.touch(held)
+    known.batch.tick = mgr.tick
 
 
 def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: np.ndarray,
@@ -308,9 +322,15 @@ def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.
     slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
     mgr.verify_many(pids)
     tables = np.full((len(seqs), max(width, 1)), -1, np.int32)
-    starts = np.cumsum(npages) - npages
-    rows = np.repeat(np.arange(len(seqs)), npages)
-    tables[rows, np.arange(len(pids)) - starts[rows]] = slots
+    if len(seqs) <= _FEW:  # a row at a time: four index arrays cost more than a few slices
+        at = 0
+        for row, count in enumerate(npages.tolist()):
+            tables[row, :count] = slots[at:at + count]
+            at += count
+    else:
+        starts = np.cumsum(npages) - npages
+        rows = np.repeat(np.arange(len(seqs)), npages)
+        tables[rows, np.arange(len(pids)) - starts[rows]] = slots
     return tables, False
 
 
