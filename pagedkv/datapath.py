@@ -228,6 +228,20 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
     """
     geom, pool = store.geometry, store._mgr.pool
     page_size = geom.page_size
+    first, last = start // page_size, -(-stop // page_size)
+    if last - first == 1 and not store.readonly:  # one page: the whole output at once, no chunk machinery
+        page = pool[resident_slot(store._mgr, seq.pids.item(first))]
+        if stop - start < page_size:
+            base = first * page_size
+            page = page[:, :, start - base:stop - base]
+        if out is None:
+            # The copy is the one allocation: C order of (K/V, layers, tokens, heads, dim).
+            both = page.swapaxes(0, 1).copy()
+            return both[0], both[1]
+        out_k, out_v = out
+        out_k[...] = page[:, 0]
+        out_v[...] = page[:, 1]
+        return out_k, out_v
     if out is None:
         both = np.empty((2, geom.layers, stop - start, geom.kv_heads, geom.head_dim), pool.dtype)
         outs: tuple[np.ndarray, ...] = (both,)
@@ -235,7 +249,6 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
     else:
         out_k, out_v = out
         outs = out
-    first, last = start // page_size, -(-stop // page_size)
     if store.readonly:
         def copy_out(index: int, page: np.ndarray) -> None:
             base = index * page_size
@@ -243,14 +256,6 @@ def read(store: StoreCore, seq: Sequence, start: int, stop: int,
             _copy_page(outs, page[np.newaxis], 0, a - base, b - base, a - start)
 
         _read_in_place(store, seq.pids[first:last].copy(), first, copy_out)
-    elif last - first == 1:  # one page: the whole output at once, without the chunk machinery
-        base = first * page_size
-        src = pool[_one_resident(store, int(seq.pids[first])), :, :, start - base:stop - base]
-        if out is None:
-            both[...] = src.swapaxes(0, 1)
-        else:
-            out_k[...] = src[:, 0]
-            out_v[...] = src[:, 1]
     else:
         for lo, slots in _resident_chunks(store, seq, first, last):
             _gather(outs, pool, slots, lo, start, stop, page_size)
@@ -378,22 +383,6 @@ def _resident_chunks(store: StoreCore, seq: Sequence, first: int,
         mgr.verify_many(pids)
         mgr.verify_committed(pids)
         yield lo, slots
-
-
-def _one_resident(store: StoreCore, pid: int) -> int:
-    """``_resident_chunks`` of one page: its slot, resident and verified, without numpy's per-call costs."""
-    mgr = store._mgr
-    slot = int(mgr.slot[pid])
-    # Some slot is unpinned (as a chunk needs) if the page's own slot is, or else the
-    # free slot a restore takes; only otherwise is every slot counted.
-    probe = slot if slot >= 0 else mgr.free_slots[-1] if mgr.free_slots else -1
-    if (probe < 0 or mgr.pins[probe]) and mgr.available() < 1:
-        raise PoolExhausted("every pool slot is pinned by active steps")
-    slot = resident_slot(mgr, pid)
-    mgr.verify(pid)
-    if mgr.pool_exposed:
-        mgr.verify_committed(np.array([pid]))
-    return slot
 
 
 def _read_in_place(store: StoreCore, pids: np.ndarray, first: int,

@@ -161,7 +161,7 @@ class KVStore(StoreCore):
                                     lambda seq: seq.length >= stop)
         else:
             result = datapath.read(self, seq, start, stop, out)
-        self._stats.add("tokens_read", stop - start)
+        self._stats.counts["tokens_read"] += stop - start
         return result
 
     @_op(write=False)

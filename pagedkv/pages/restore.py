@@ -10,68 +10,79 @@ import numpy as np
 
 from .. import faults
 from ..storage.codec import RecordLayout, bytes_checksum, decode_record, page_checksum, record_layout
-from ..errors import PageCorrupt
+from ..errors import PageCorrupt, PoolExhausted
 from ..storage.spill import uid_key
 from .evict import take_slots
 from .table import PageTable
 
 log = logging.getLogger(__name__)
+_clock = time.perf_counter
+_ALL_PINNED = "every pool slot is pinned by active steps"
 
 
 def resident_slot(mgr: PageTable, pid: int) -> int:
-    """The slot of page ``pid``, restored first if spilled: ``BlockManager.ensure_resident`` of one page.
+    """The slot of page ``pid`` for a one-page read: resident (restored first if spilled) and verified.
 
-    Counted as that counts (a resident hit, or the restore's counters), a page
-    found corrupt by its restore is logged once, and the slot is marked used.
-    Written with scalars: numpy's per-call costs on one-element arrays were
-    most of a one-page read.
+    A read's chunks (``BlockManager.ensure_resident``, ``PageTable.verify``,
+    ``PageTable.verify_committed``) for one page, counted as they count (a
+    resident hit, or a restore's counters and latency); the slot is marked
+    used. ``PoolExhausted`` when no slot is unpinned: the page's own slot, or
+    else the free slot a restore takes, is probed first, and every slot
+    counted only when that one is pinned. A restore that fails hands its slot
+    back and marks the page corrupt, logged the first time. One function
+    written with scalars: numpy's per-call costs on one-element arrays, and
+    then each layer of calls, were most of a one-page read.
     """
     slot: int = mgr.slot.item(pid)
-    if slot < 0:
-        return _restore_one(mgr, pid)  # placing it marked the slot used
-    mgr.stats.counts["resident_hits"] += 1
-    mgr.tick += 1  # touch: the slot was used now
-    mgr.stamp[slot] = mgr.tick
-    return slot
-
-
-def _restore_one(mgr: PageTable, pid: int) -> int:
-    """``restore`` of one spilled page; return its slot."""
-    known: bool = mgr.corrupt.item(pid)
-    uid: int = mgr.uid.item(pid)
-    fill: int = mgr.fill.item(pid)
-    csum: int = mgr.csum.item(pid)
-    free = mgr.free_slots
-    if free:  # take_slots(mgr, 1) without the loop an eviction needs
-        slot = free.pop()
-        if mgr.on_take is not None:
-            mgr.on_take()
+    if slot >= 0:
+        if mgr.pins.item(slot) and mgr.available() < 1:
+            raise PoolExhausted(_ALL_PINNED)
+        mgr.stats.counts["resident_hits"] += 1
+        mgr.tick += 1  # touch: the slot was used now
+        mgr.stamp[slot] = mgr.tick
+        mgr.verify(pid)
     else:
-        slot = take_slots(mgr, 1)[0]
-    counts = mgr.stats.counts
-    started = time.perf_counter()
-    try:
-        if known:
-            raise PageCorrupt(f"page {uid} is corrupt", uid)
-        with mgr.spill.locked_read() as txn:
-            size = _fetch_into(mgr, record_layout(mgr.geom), txn, uid, fill, csum, slot)
-            faults.crashpoint("restore.after_copy")
-    except PageCorrupt:
-        free.append(slot)
-        mgr.corrupt[pid] = True
-        counts["misses"] += 1
-        if not known:
-            log.warning("page %d: its spill record fails its checksum (or is missing); the page "
-                        "is unreadable until it is rewritten", uid)
-        raise
-    except BaseException:
-        free.append(slot)
-        raise
-    mgr.place(pid, slot)
-    counts["restores"] += 1
-    counts["spill_hits"] += 1
-    counts["bytes_restored"] += size
-    mgr.stats.restore_latency(time.perf_counter() - started)
+        free = mgr.free_slots
+        if (not free or mgr.pins.item(free[-1])) and mgr.available() < 1:
+            raise PoolExhausted(_ALL_PINNED)
+        known: bool = mgr.corrupt.item(pid)
+        uid: int = mgr.uid.item(pid)
+        fill: int = mgr.fill.item(pid)
+        csum: int = mgr.csum.item(pid)
+        if free:  # take_slots(mgr, 1) without the loop an eviction needs
+            slot = free.pop()
+            if mgr.on_take is not None:
+                mgr.on_take()
+        else:
+            slot = take_slots(mgr, 1)[0]
+        stats = mgr.stats
+        started = _clock()
+        try:
+            if known:
+                raise PageCorrupt(f"page {uid} is corrupt", uid)
+            with mgr.spill.locked_read() as txn:
+                # The slot is checked against the page's checksum here, as verify would check it.
+                size = _fetch_into(mgr, record_layout(mgr.geom), txn, uid, fill, csum, slot)
+                faults.crashpoint("restore.after_copy")
+        except PageCorrupt:
+            free.append(slot)
+            mgr.corrupt[pid] = True
+            stats.counts["misses"] += 1
+            if not known:
+                log.warning("page %d: its spill record fails its checksum (or is missing); the page "
+                            "is unreadable until it is rewritten", uid)
+            raise
+        except BaseException:
+            free.append(slot)
+            raise
+        mgr.place(pid, slot)  # marks the slot used
+        counts = stats.counts
+        counts["restores"] += 1
+        counts["spill_hits"] += 1
+        counts["bytes_restored"] += size
+        stats.restore_latency(_clock() - started)
+    if mgr.pool_exposed:
+        mgr.verify_committed(np.array([pid]))
     return slot
 
 
@@ -203,7 +214,7 @@ def _fetch_into(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: 
     nbytes = layout.page_nbytes
     at = slot * nbytes
     dest = mgr.pool_file.slot_bytes[at:at + nbytes]
-    dest[:] = memoryview(value)[start:]
+    dest[:] = value[start:]  # a slice of a buffer is a view, of bytes a copy: either fills the slot
     if fill == layout.page_shape[2]:
         actual = bytes_checksum(dest, fill, uid, mgr.seed)
     else:

@@ -100,8 +100,8 @@ class PageTable(Directory):
         """
         self.slot[pid] = slot
         self.slot_pid[slot] = pid
-        self.tick += 1
-        self.stamp[slot] = self.tick
+        self.tick = tick = self.tick + 1
+        self.stamp[slot] = tick
         self.note_changed(pid)
         self.dirty_slot[slot] = True
 
