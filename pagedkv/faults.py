@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 _crash_name: str | None = None
 _crash_at = 0
-_hits: dict[str, int] = {}  # a plain dict: a Counter's += cost a one-page restore twice as much
+_hits: dict[str, int] = {}  # a plain dict: a Counter's += costs twice its get and set
 _injector: Callable[[str], None] | None = None
 _flush_recorder: Callable[[Any, int, int], None] | None = None
 
