@@ -91,6 +91,9 @@ def begin(store: StoreCore, step: StepState) -> None:
     else:  # the same batch as the last step, and no block table changed since
         seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
     known.check_idle(members)
+    if mgr.kept_for is not None and (batch is None or batch.evict_epoch != mgr.evict_epoch
+                                     or mgr.kept_for is not batch or (step.decode and len(seqs) <= _FEW)):
+        mgr.release_kept()  # not this step's to take over: nothing may count them as its own
     if step.decode and len(seqs) <= _FEW:
         _begin_few(store, step, seqs, members, batch)
         return

@@ -53,7 +53,7 @@ def _run(path: Path, seed: int) -> list[Any]:
         batch.append(seq)
     idle: list[int] = []
     ids = rng.random() < 0.5
-    for _ in range(300):
+    for _ in range(400):
         action = rng.random()
         try:
             if action < 0.55:
@@ -92,8 +92,11 @@ def _run(path: Path, seed: int) -> list[Any]:
             elif action < 0.90:
                 seq = rng.choice(batch)
                 store.truncate(seq, rng.randrange(store.length(seq) + 1))
-            elif action < 0.95:
+            elif action < 0.93:
                 store.commit()
+            elif action < 0.96:  # another batch: the kept pins are not its to take over
+                rng.shuffle(batch)
+                continue  # no operation: the last step's pins may still be kept
             else:
                 seen.append(("can_step", store.can_step({seq: 1 for seq in batch})))
         except PoolExhausted as exc:
