@@ -28,12 +28,14 @@ import numpy as np
 from .. import faults
 from ..errors import PoolExhausted, StoreFull
 from ..storage.codec import encode_spill, page_checksum
-from ..storage.codecs import CODECS
+from ..storage.codecs import CODECS, LOSSY
 from ..storage.spill import uid_key
 from .directory import NOWHERE, ONE, REC_CURRENT, REC_STALE, SPILLED
 from .spillbatch import Plan, Spilled
 from .spillcap import drop_cache, enforce_cap, enforce_cap_at_open, settle_cap
 from .table import PageTable
+
+_LOSSY = frozenset(CODECS.index(name) for name in LOSSY)  # codec indexes of lossy records
 
 __all__ = ["Spilled", "apply_spilled", "drop_cache", "enforce_cap_at_open", "evict", "land_background",
            "take_slots"]
@@ -224,21 +226,35 @@ def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[An
         mgr.c_where[pid[entry]] = SPILLED
         held = entry & (mgr.slot_cpid[slot] == pid)
         mgr.slot_cpid[slot[held]] = -1
-    # Few pages bring checksums, if any (a lossy record's, write-behind's).
-    lossy = [] if fields[8].count(None) == len(landed) else [
-        (row, item.c_csum) for row, item in zip(pid.tolist(), landed) if item.c_csum is not None and item.entry]
-    if lossy:
-        mgr.c_csum[[row for row, _ in lossy]] = np.array([value for _, value in lossy], np.uint64)
     there = mgr.live[pid] & (mgr.slot[pid] == slot)
     same = there & (mgr.gen[pid] == gen)
     mgr.rec[pid[there ^ same]] = REC_STALE  # rewritten since: its record holds an older fill
+    out = same & (mgr.pins[slot] == 0)  # a pinned page stays resident, its record current
+    adopts = None  # which pages take the checksums the batch brought (all, if None)
+    if _LOSSY.intersection(fields[4]):
+        # A lossy record holds the page's dequantised values. A page that stays resident (pinned,
+        # or written since) keeps its own bytes: its record is not them (it is rewritten when the
+        # page leaves), its checksums stay its own, and the next commit rewrites its entry (the
+        # disk says spilled), deleting that record in the same transaction.
+        kept = there & ~out & wrote & np.isin(codec, list(_LOSSY))
+        if kept.any():
+            mgr.rec[pid[kept]] = REC_STALE
+            mgr.note_changed_many(pid[kept])
+            adopts = ~kept
+            same = same & adopts
+    # Few pages bring checksums, if any (a lossy record's, write-behind's).
+    lossy = [] if fields[8].count(None) == len(landed) else [
+        (row, item.c_csum) for row, item, ok in zip(pid.tolist(), landed, [True] * len(landed) if adopts is None
+                                                    else adopts.tolist())
+        if ok and item.c_csum is not None and item.entry]
+    if lossy:
+        mgr.c_csum[[row for row, _ in lossy]] = np.array([value for _, value in lossy], np.uint64)
     known = [] if fields[7].count(None) == len(landed) else [
         (row, item.csum) for row, item, ok in zip(pid.tolist(), landed, same.tolist())
         if ok and item.csum is not None]
     if known:
         rows = np.array([row for row, _ in known], np.int64)
         mgr.csum[rows], mgr.csum_ok[rows] = np.array([value for _, value in known], np.uint64), True
-    out = same & (mgr.pins[slot] == 0)  # a pinned page stays resident, its record current
     leaving, emptied = pid[out], slot[out]
     mgr.pstamp[leaving] = mgr.stamp[emptied]
     mgr.slot[leaving] = -1
