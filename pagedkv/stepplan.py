@@ -127,7 +127,8 @@ def begin(store: StoreCore, step: StepState) -> None:
         last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
-    if reused and batch is not None and mgr.kept_for is batch and new_pages + copies <= mgr.available():
+    # Any pins still kept are this batch's (the others went back above) and its table is reused.
+    if mgr.kept_for is not None and new_pages + copies <= mgr.available():
         held = _take_kept(store, step, seqs)
     else:
         mgr.release_kept()

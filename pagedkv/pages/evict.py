@@ -236,16 +236,16 @@ def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[An
         # or written since) keeps its own bytes: its record is not them (it is rewritten when the
         # page leaves), its checksums stay its own, and the next commit rewrites its entry (the
         # disk says spilled), deleting that record in the same transaction.
-        kept = there & ~out & wrote & np.isin(codec, list(_LOSSY))
-        if kept.any():
-            mgr.rec[pid[kept]] = REC_STALE
-            mgr.note_changed_many(pid[kept])
-            adopts = ~kept
+        stays = there & ~out & wrote & np.isin(codec, list(_LOSSY))
+        if stays.any():
+            mgr.rec[pid[stays]] = REC_STALE
+            mgr.note_changed_many(pid[stays])
+            adopts = ~stays
             same = same & adopts
     # Few pages bring checksums, if any (a lossy record's, write-behind's).
     lossy = [] if fields[8].count(None) == len(landed) else [
-        (row, item.c_csum) for row, item, ok in zip(pid.tolist(), landed, [True] * len(landed) if adopts is None
-                                                    else adopts.tolist())
+        (row, item.c_csum) for row, item, ok in zip(pid.tolist(), landed,
+                                                    repeat(True) if adopts is None else adopts.tolist())
         if ok and item.c_csum is not None and item.entry]
     if lossy:
         mgr.c_csum[[row for row, _ in lossy]] = np.array([value for _, value in lossy], np.uint64)

@@ -130,10 +130,9 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
     filled: list[int] = []
     bad: PageCorrupt | None = None
     done = nbytes = misses = 0
-    clock = time.perf_counter
     try:
         with mgr.spill.locked_read() as txn:  # restores run under the store lock
-            started = clock()  # a page's latency runs from the end of the one before: one clock read a page
+            started = _clock()  # a page's latency runs from the end of the one before: one clock read a page
             for pid, slot, uid, fill, csum, corrupt in columns:
                 try:
                     if corrupt:
@@ -146,13 +145,13 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
                     misses += 1
                     bad = bad or exc
                     done += 1
-                    started = clock()
+                    started = _clock()
                     continue
                 mgr.place(pid, slot)
                 filled.append(slot)
                 done += 1
                 nbytes += size
-                now = clock()
+                now = _clock()
                 stats.restore_latency(now - started)
                 started = now
     except BaseException:

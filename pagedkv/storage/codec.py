@@ -96,11 +96,8 @@ def bytes_checksum(body: bytes | memoryview, fill: int, uid: int, seed: int) -> 
 
 
 def payload_checksum(payload: bytes | memoryview, fill: int, uid: int, seed: int) -> int:
-    """64-bit xxh3 of an encoded payload, bound to its page uid, fill and store."""
-    hasher = xxhash.xxh3_64(seed=seed)
-    hasher.update(_IDENT.pack(uid, fill))
-    hasher.update(payload)
-    return hasher.intdigest()
+    """64-bit xxh3 of an encoded payload, bound to its page uid, fill and store (``bytes_checksum``'s digest)."""
+    return bytes_checksum(payload, fill, uid, seed)
 
 
 def encode_record(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarray) -> bytearray:
