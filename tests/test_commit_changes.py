@@ -216,18 +216,14 @@ class Run:
     def append(self) -> None:
         seqs = self.seqs()
         if seqs:
-            seq, n = self.rng.choice(seqs), self.rng.randint(1, 2 * PS + 1)
-            tokens = self.ids(n) if self.rng.random() < 0.6 else None
+            seq, n, tokens = self.draws.append(seqs, PS)
             self.store.append(seq, *self.kv(n), tokens=tokens)
 
     def step(self) -> None:
         seqs = self.seqs()
         if not seqs:
             return
-        chosen = self.rng.sample(seqs, self.rng.randint(1, min(4, len(seqs))))
-        counts = {seq: (1 if self.rng.random() < 0.7 else self.rng.randint(1, PS + 1)) for seq in chosen}
-        tokens = {seq: self.ids(n) for seq, n in counts.items()} if self.rng.random() < 0.6 else None
-        fail = self.rng.random() < 0.15
+        counts, tokens, fail = self.draws.step(seqs, PS)
         try:
             with self.store.step(counts, tokens=tokens) as step:
                 pool, mapping = self.store.pool, step.slot_mapping

@@ -179,8 +179,7 @@ class Twin:
     def append(self) -> None:
         seqs = self.seqs()
         if seqs:
-            seq, n = self.rng.choice(seqs), self.rng.randint(1, 2 * PS + 1)
-            tokens = self.ids(n) if self.rng.random() < 0.6 else None
+            seq, n, tokens = self.draws.append(seqs, PS)
             k, v = self.kv(n)
             self.both(lambda s: s.append(seq, k, v, tokens=tokens))
 
@@ -188,11 +187,8 @@ class Twin:
         seqs = self.seqs()
         if not seqs:
             return
-        chosen = self.rng.sample(seqs, self.rng.randint(1, min(4, len(seqs))))
-        counts = {seq: (1 if self.rng.random() < 0.7 else self.rng.randint(1, PS + 1)) for seq in chosen}
-        tokens = {seq: self.ids(n) for seq, n in counts.items()} if self.rng.random() < 0.6 else None
+        counts, tokens, fail = self.draws.step(seqs, PS)
         k, v = self.kv(sum(counts.values()))
-        fail = self.rng.random() < 0.15
 
         def step(store: pagedkv.KVStore) -> None:
             try:
