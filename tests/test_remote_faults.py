@@ -113,9 +113,14 @@ def test_killed_mid_run_and_restarted(tmp_path: Path, redis_clean: RedisServer) 
         assert stats["remote_errors"] >= 1 and stats["remote_skipped"] >= 3
         assert a.create("u", tokens=tokens) == 396  # the local cache is untouched
         redis_clean.start()  # back, empty
+        attempts = iter(range(10, 1 << 20))
 
         def published() -> bool:
-            decode(a, "s", 4, 1, limit)
+            # A page of a fresh sequence per attempt, sealed by its last decode step: growing
+            # one sequence per attempt would pass the pool's size while the client backs off.
+            seed = next(attempts)
+            prefill(a, f"r{seed}", prompt(GEOM.page_size - 1, seed), seed)
+            decode(a, f"r{seed}", 1, seed, limit)
             a._remote.drain()
             return a.stats()["remote_published"] > 100
 
