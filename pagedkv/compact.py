@@ -50,7 +50,7 @@ from .storage.lmdbwalk import walk_pages
 from .storage.lockfile import WriterLock
 from .storage.pool import PagePool
 from .snapshot import require_store_dir
-from .storage.spill import (COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, lmdb_error,
+from .storage.spill import (COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, entry_count, lmdb_error,
                             remove_compaction_copies)
 from .store import StoreOptions
 
@@ -216,7 +216,8 @@ def _check_copy(temp: str, entries: dict[str, int]) -> None:
         raise StoreCorrupt(f"{temp}: the compacted copy does not open ({exc})") from None
     try:
         with env.begin() as txn:
-            got = {name.decode(): txn.stat(env.open_db(name, txn=txn, create=False))["entries"] for name in DB_NAMES}
+            got = {name.decode(): entry_count(txn, env.open_db(name, txn=txn, create=False))
+                   for name in DB_NAMES}
     except lmdb.Error as exc:
         raise StoreCorrupt(f"{temp}: the compacted copy does not read back ({exc})") from None
     finally:

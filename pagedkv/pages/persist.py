@@ -26,7 +26,7 @@ from ..storage.metarecord import (DIR_DTYPE, DIR_DTYPE_V1, SUPERBLOCK_SEED, TAG_
                                   TAG_TOKENS, seal, seal_many, unseal)
 from ..storage.schema import superblock_problems
 from .sequence import Sequence
-from ..storage.spill import SpillStore, key_uid, uid_key
+from ..storage.spill import SpillStore, entry_count, key_uid, uid_key
 
 _DIR_DTYPE = DIR_DTYPE
 SEALED_FORMAT = 2  # the first format whose metadata records carry checksums
@@ -222,7 +222,7 @@ def record_counts(mgr: BlockManager, txn: Any) -> None:
     at the next open rather than a sequence or a cached prefix silently gone.
     """
     spill = mgr.spill
-    counts = COUNTS.pack(*(txn.stat(db)["entries"] for db in (spill.dir, spill.seqs, spill.tokens)))
+    counts = COUNTS.pack(*(entry_count(txn, db) for db in (spill.dir, spill.seqs, spill.tokens)))
     txn.put(b"counts", seal(TAG_META, b"counts", counts, mgr.seed), db=spill.meta)
 
 

@@ -12,6 +12,7 @@ import errno
 import os
 import resource
 import struct
+import sys
 import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterator, TypeVar
@@ -34,6 +35,21 @@ _MAP_CEILING = 1 << 44  # the map doubles until a transaction fits, up to 16 TiB
 def uid_key(uid: int) -> bytes:
     """The LMDB key of a page uid."""
     return _UID.pack(uid)
+
+
+# Transaction.stat returns a dict whose keys CPython interns. Names that nothing
+# else holds would be interned and released again on every call, and that churn
+# makes the interpreter rebuild its table of interned strings (about 1 MB in a
+# process with numpy loaded) every few hundred write transactions: held here, the
+# interning finds them.
+_STAT_FIELDS = tuple(sys.intern(name) for name in
+                     ("psize", "depth", "branch_pages", "leaf_pages", "overflow_pages", "entries"))
+
+
+def entry_count(txn: lmdb.Transaction, db: Any) -> int:
+    """The number of records in ``db`` as of ``txn`` (LMDB's own count)."""
+    count: int = txn.stat(db)["entries"]
+    return count
 
 
 def key_uid(key: bytes) -> int:
@@ -460,13 +476,13 @@ class SpillStore:
         """Map use, readers and entry counts, for stats and inspect."""
         info = self.env.info()
         with self.begin_read() as txn:
-            entries = {name.decode(): txn.stat(db)["entries"] for name, db in self.dbs.items()}
+            counts = {name.decode(): entry_count(txn, db) for name, db in self.dbs.items()}
         return {
             "map_size": info["map_size"],
             "map_used": (info["last_pgno"] + 1) * self.env.stat()["psize"],
             "readers": info["num_readers"],
             "last_txnid": info["last_txnid"],
-            "entries": entries,
+            "entries": counts,
         }
 
     def refresh(self) -> None:
