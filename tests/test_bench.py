@@ -76,6 +76,8 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     assert seed["metrics"]["disk_hits"] == 20  # tokens 0-19 were all spilled
     assert {row["params"]["durability"] for row in by_id["B7"]} == {"durable", "nosync", "volatile"}
     assert all(row["unit"] == "B/page" for row in by_id["B8"])
+    # The warm-up ran in each child before the measurement (and left something: imports at least).
+    assert all(row["metrics"]["warm_up_traced_bytes"] > 0 for row in by_id["B8"])
 
 
 def _named(rows: list[dict[str, Any]], scenario: str, name: str) -> dict[str, Any]:
