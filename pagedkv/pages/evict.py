@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import faults
 from ..errors import PoolExhausted, StoreFull
-from ..storage.codec import encode_spill, page_checksum
+from ..storage.codec import encode_spill, page_checksum, record_layout
 from ..storage.codecs import CODECS, LOSSY
 from ..storage.spill import uid_key
 from .directory import NOWHERE, ONE, REC_CURRENT, REC_STALE, SPILLED
@@ -36,6 +36,7 @@ from .spillcap import drop_cache, enforce_cap, enforce_cap_at_open, settle_cap
 from .table import PageTable
 
 _LOSSY = frozenset(CODECS.index(name) for name in LOSSY)  # codec indexes of lossy records
+_RAW = CODECS.index("raw")
 
 __all__ = ["Spilled", "apply_spilled", "drop_cache", "enforce_cap_at_open", "evict", "land_background",
            "take_slots"]
@@ -88,12 +89,13 @@ def _evict(mgr: PageTable, count: int, strict: bool) -> int:
         (cpids == pids).tolist(), mgr.uid[pids].tolist(), repeat(None), repeat(None))))
     for index in write:
         slot, pid, gen, _, _, committed, uid, _, _ = items[index]
+        csum: int | None
         if freed[index]:
             fill, csum = mgr.c_fill.item(pid), mgr.c_csum.item(pid)
         else:
             # An unverified page keeps its committed checksum, so damage is caught
             # at restore instead of being laundered into a new record.
-            fill, csum = mgr.fill.item(pid), mgr.checksum(pid)
+            fill, csum = mgr.fill.item(pid), mgr.csum.item(pid) if mgr.csum_ok.item(pid) else None
         items[index] = _put_record(mgr, plan, slot, pid, gen, committed, uid, fill, csum)
     for item in items:
         if item.entry:
@@ -147,13 +149,26 @@ def _choose(mgr: PageTable, count: int) -> np.ndarray:
 
 
 def _put_record(mgr: PageTable, plan: Plan, slot: int, pid: int, gen: int, committed: bool, uid: int,
-                fill: int, csum: int) -> Spilled:
+                fill: int, csum: int | None) -> Spilled:
     """Plan a record of ``pid``'s first ``fill`` tokens (checksum ``csum``) from ``slot``.
 
     ``committed``: the slot holds its committed bytes, so the entry goes to SPILLED.
+    ``csum`` None: the page's current checksum is not known yet; a raw record
+    computes it from its copy of the slot, and the directory keeps it.
     """
-    record, used, decoded = encode_spill(mgr.geom, uid, fill, csum, mgr.pool[slot], mgr.spill_codec,
-                                         mgr.seed)
+    if mgr.spill_codec == "raw":
+        layout = record_layout(mgr.geom)
+        at = slot * layout.page_nbytes
+        record, known = layout.raw_record(uid, fill, mgr.pool_file.slot_bytes[at:at + layout.page_nbytes], csum,
+                                          mgr.seed)
+        if csum is None:
+            mgr.csum[pid], mgr.csum_ok[pid] = known, True
+        plan.puts.append((mgr.spill.pages, uid_key(uid), record))
+        plan.added += len(record)
+        plan.removed += mgr.rec_bytes.item(pid)
+        return Spilled(slot, pid, gen, len(record), _RAW, committed, uid, None, None)
+    record, used, decoded = encode_spill(mgr.geom, uid, fill, mgr.checksum(pid) if csum is None else csum,
+                                         mgr.pool[slot], mgr.spill_codec, mgr.seed)
     new_csum = new_c_csum = None
     if decoded is not None:
         # Lossy: from now on the page *is* its dequantised values, committed tokens included.

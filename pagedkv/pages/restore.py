@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import faults
-from ..storage.codec import RecordLayout, bytes_checksum, decode_record, page_checksum, record_layout
+from ..storage.codec import RecordLayout, decode_record, page_checksum, record_layout, runs_checksum
 from ..errors import PageCorrupt, PoolExhausted
 from ..storage.spill import uid_key
 from .evict import take_slots
@@ -214,11 +214,7 @@ def _fetch_into(mgr: PageTable, layout: RecordLayout, txn: Any, uid: int, fill: 
     at = slot * nbytes
     dest = mgr.pool_file.slot_bytes[at:at + nbytes]
     dest[:] = value[start:]  # a slice of a buffer is a view, of bytes a copy: either fills the slot
-    if fill == layout.page_shape[2]:
-        actual = bytes_checksum(dest, fill, uid, mgr.seed)
-    else:
-        actual = page_checksum(mgr.pool[slot], fill, uid, mgr.seed)
-    if actual != csum:
+    if runs_checksum(dest, fill, layout.page_shape[2], layout.runs, uid, mgr.seed) != csum:
         raise PageCorrupt(f"page {uid}: spilled record fails its checksum", uid)
     return len(value)
 

@@ -63,19 +63,32 @@ def page_checksum(page: np.ndarray, fill: int, uid: int, seed: int) -> int:
     if fill == tokens:
         # Viewed as bytes: the buffer protocol cannot export extension dtypes (bfloat16).
         return bytes_checksum(np.ascontiguousarray(page).view(np.uint8).data, fill, uid, seed)
+    if page.flags.c_contiguous:
+        return runs_checksum(page.reshape(-1).view(np.uint8).data, fill, tokens, page.shape[0] * page.shape[1],
+                             uid, seed)
+    return bytes_checksum(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8).data, fill, uid, seed)
+
+
+def runs_checksum(body: bytes | memoryview, fill: int, tokens: int, runs: int, uid: int,
+                  seed: int) -> int:
+    """``page_checksum`` of a C-order page given as its flat bytes: ``runs`` (layer, K/V) runs of ``tokens`` tokens.
+
+    What a restore checks a slot with, straight from the slot's bytes: the
+    page's array and its checks cost a third of hashing a 64 KiB page.
+    """
+    if fill == tokens:
+        return bytes_checksum(body, fill, uid, seed)
+    stride = len(body) // runs
+    width = stride // tokens * fill
+    if width < _RUN_MIN:  # short runs: hashed from one copy of them all
+        return bytes_checksum(b"".join([body[start:start + width] for start in range(0, len(body), stride)]),
+                              fill, uid, seed)
+    # Each run's filled part hashed in place: copying them out first cost a 2 MiB
+    # page 3x as much (xxh3 streams, so the digest is the same).
     hasher = xxhash.xxh3_64(seed=seed)
     hasher.update(_IDENT.pack(uid, fill))
-    if fill:
-        stride = page.nbytes // (page.shape[0] * page.shape[1])  # one (layer, K/V) run of tokens
-        width = stride // tokens * fill
-        if width >= _RUN_MIN and page.flags.c_contiguous:
-            # Hashing each run's filled part in place: copying them out first cost a
-            # 2 MiB page 3x as much (xxh3 streams, so the digest is the same).
-            flat = page.reshape(-1).view(np.uint8).data
-            for start in range(0, page.nbytes, stride):
-                hasher.update(flat[start:start + width])
-        else:
-            hasher.update(np.ascontiguousarray(page[:, :, :fill]).view(np.uint8).data)
+    for start in range(0, len(body), stride):
+        hasher.update(body[start:start + width])
     return hasher.intdigest()
 
 
@@ -120,9 +133,10 @@ def encode_spill(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarra
     else:
         used, payload, decoded = spillcodecs.encode(codec, geom, page, fill)
         nbytes, csum = len(payload), payload_checksum(payload, fill, uid, seed)
+    if payload is None:
+        return layout.raw_record(uid, fill, np.ascontiguousarray(page).view(np.uint8).data, csum)[0], used, decoded
     out = bytearray(layout.prefix(uid, fill, used, csum, nbytes))
-    # Appended rather than copied into a zeroed buffer: one pass over the page, not two.
-    out += np.ascontiguousarray(page).view(np.uint8).data if payload is None else payload
+    out += payload  # appended rather than copied into a zeroed buffer: one pass over the payload, not two
     return out, used, decoded
 
 
@@ -134,13 +148,14 @@ class RecordLayout:
     """
 
     __slots__ = ("_before_fill", "_before_uid", "_codec_fields", "_nbytes_field", "_raw_middles",
-                 "_raw_tail", "_shape", "dtype", "np_dtype", "page_nbytes", "page_shape")
+                 "_raw_tail", "_shape", "dtype", "np_dtype", "page_nbytes", "page_shape", "runs")
 
     def __init__(self, geom: Geometry) -> None:
         self.dtype = geom.dtype
         self.np_dtype = geom.np_dtype
         self.page_shape = geom.page_shape
         self.page_nbytes = geom.page_nbytes
+        self.runs = self.page_shape[0] * self.page_shape[1]  # (layer, K/V) runs of tokens in a page
         self._shape = list(self.page_shape)
         # The header's msgpack bytes between its integers, in the map's key order: a
         # header is these pieces with the integers packed in between (see prefix).
@@ -174,6 +189,30 @@ class RecordLayout:
         header = b"".join((self._before_uid, _uint(uid), self._before_fill, _uint(fill), fields,
                            _uint(csum), self._nbytes_field, _uint(nbytes)))
         return _LEN.pack(len(header)) + header
+
+    def raw_record(self, uid: int, fill: int, body: memoryview, csum: int | None,
+                   seed: int = 0) -> tuple[bytearray, int]:
+        """The raw record of a page given as its flat bytes, and the checksum it carries.
+
+        With ``csum`` None, the checksum of the ``fill`` tokens copied is computed
+        from the copy, where the bytes are hot: a 64 KiB page's cold bytes cost
+        twice as much to hash as to copy. The header is written once the checksum
+        is known (its length is that of a 64-bit one but for one checksum in 2**32).
+        """
+        nbytes = self.page_nbytes
+        if csum is not None:
+            out = bytearray(self.prefix(uid, fill, "raw", csum, nbytes))
+            out += body  # appended rather than copied into a zeroed buffer: one pass over the page, not two
+            return out, csum
+        head = len(self.prefix(uid, fill, "raw", 1 << 63, nbytes))
+        out = bytearray(head)
+        out += body
+        csum = runs_checksum(memoryview(out)[head:], fill, self.page_shape[2], self.runs, uid, seed)
+        prefix = self.prefix(uid, fill, "raw", csum, nbytes)
+        if len(prefix) != head:
+            return bytearray(prefix) + out[head:], csum
+        out[:head] = prefix
+        return out, csum
 
     def match_raw(self, value: bytes | memoryview, uid: int, fill: int, csum: int) -> np.ndarray | None:
         """The page of a raw record whose header is exactly the one written for (uid, fill, csum).
