@@ -118,7 +118,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         new_pages = int((new_npages - npages).sum())
         partial = (offsets != 0) & (counts > 0)
     width = int(new_npages.max())
-    tables, reused = _tables(store, step, seqs, npages, width, batch, new_pages)
+    tables, reused, resolved = _tables(store, step, seqs, npages, width, batch, new_pages)
     touch = _stamps_held(mgr, batch, reused)
     if batch is not None and batch.last_pids is not None:  # pids and fills as the last step left them
         last_pids, last_fill = batch.last_pids, batch.last_fill
@@ -132,7 +132,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         held = _take_kept(store, step, seqs)
     else:
         mgr.release_kept()
-        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
+        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
@@ -222,20 +222,20 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     new_npages = [n + (length % page_size == 0) for length, n in zip(lengths, npages)]
     new_pages = sum(new_npages) - sum(npages)
     width = max(new_npages)
-    tables, reused = _tables(store, step, seqs, np.asarray(npages, np.int64), width, batch, new_pages)
+    tables, reused, resolved = _tables(store, step, seqs, npages, width, batch, new_pages)
     touch = _stamps_held(mgr, batch, reused)
-    last_pids = [int(seq.pids[n - 1]) if n else -1 for seq, n in zip(seqs, npages)]
-    last_fill = [int(mgr.fill[pid]) if pid >= 0 else 0 for pid in last_pids]
+    last_pids = [seq.pids.item(n - 1) if n else -1 for seq, n in zip(seqs, npages)]
+    last_fill = [mgr.fill.item(pid) if pid >= 0 else 0 for pid in last_pids]
     grows, inplace, copies = [], [], 0
     for row, (length, pid) in enumerate(zip(lengths, last_pids)):
         if length % page_size == 0:
             grows.append(row)
-        elif mgr.ref[pid] > 1:  # a shared partial page: copied on write
+        elif mgr.ref.item(pid) > 1:  # a shared partial page: copied on write
             grows.append(row)
             copies += 1
         else:
             inplace.append(row)
-    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies)
+    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
         for row in grows:
@@ -243,7 +243,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
         for row in inplace:
             pid = last_pids[row]
             mgr.mark_written(pid, last_fill[row] + 1)
-            if step.has_ids or mgr.flags[pid] & HAS_TOKENS:
+            if step.has_ids or mgr.flags.item(pid) & HAS_TOKENS:
                 write_tokens(mgr, pid, lengths[row] % page_size, step.token_ids.get(seqs[row].seq_id))
     except BaseException:
         end(store, step, ok=False)
@@ -258,7 +258,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, NONE, NONE,
                          members, by_key, NONE, None, None, None)
     step.block_tables = tables[:, :width].copy()
-    step.slot_mapping = np.array([int(tables[row, length // page_size]) * page_size + length % page_size
+    step.slot_mapping = np.array([tables.item(row, length // page_size) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)
     step.seq_lens = np.array(after, np.int32)
     if touch:
@@ -267,13 +267,15 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
 
 
 def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: np.ndarray,
-              reused: bool, extra: int) -> np.ndarray:
+              reused: bool, extra: int, resolved: np.ndarray | None = None) -> np.ndarray:
     """Pin the slots of ``tables`` once the step's ``extra`` new pages and copies are known to fit.
 
-    Returns the slots pinned (one per reference): ``end`` unpins them.
+    ``resolved``: the table's slots in row order, when ``_tables`` just resolved
+    them (they are its entries that are not padding). Returns the slots pinned
+    (one per reference): ``end`` unpins them.
     """
     mgr = store._mgr
-    held = tables[tables >= 0]
+    held = tables[tables >= 0] if resolved is None else resolved
     if reused:
         mgr.stats.add("resident_hits", len(held))
     needed = len(held) + extra
@@ -303,21 +305,22 @@ def _take_kept(store: StoreCore, step: StepState, seqs: list[Sequence]) -> np.nd
     return held
 
 
-def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.ndarray,
-            width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool]:
+def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.ndarray | list[int],
+            width: int, batch: _Batch | None, new_pages: int) -> tuple[np.ndarray, bool, np.ndarray | None]:
     """Slots of every existing page, (num_seqs, >= width), -1 padded; restores what is spilled.
 
-    Also says whether the table is the last step's (its pages counted as hits here).
+    Also says whether the table is the last step's (its pages counted as hits here),
+    and gives the slots it just resolved, in row order (None for the last step's table).
     """
     mgr = store._mgr
     if batch is not None and batch.evict_epoch == mgr.evict_epoch:
         tables = batch.tables
         if tables.shape[1] >= width:
-            return tables, True
+            return tables, True, None
         wider = np.full((len(seqs), max(width, 2 * tables.shape[1])), -1, np.int32)
         wider[:, :tables.shape[1]] = tables
-        return wider, True
-    pids = np.concatenate([seq.table for seq in seqs])
+        return wider, True, None
+    pids = seqs[0].table if len(seqs) == 1 else np.concatenate([seq.table for seq in seqs])
     if len(pids) + new_pages + len(seqs) > mgr.available():  # shared pages and copies: count exactly
         needed = pages_needed(store, seqs, step.new_tokens)
         if needed > mgr.available():
@@ -325,17 +328,18 @@ def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.
                 f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
     slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
     mgr.verify_many(pids)
-    tables = np.full((len(seqs), max(width, 1)), -1, np.int32)
+    tables = np.empty((len(seqs), max(width, 1)), np.int32)
+    tables.fill(-1)  # np.full's Python wrapper costs as much as the array
     if len(seqs) <= _FEW:  # a row at a time: four index arrays cost more than a few slices
         at = 0
-        for row, count in enumerate(npages.tolist()):
+        for row, count in enumerate(npages if isinstance(npages, list) else npages.tolist()):
             tables[row, :count] = slots[at:at + count]
             at += count
     else:
         starts = np.cumsum(npages) - npages
         rows = np.repeat(np.arange(len(seqs)), npages)
         tables[rows, np.arange(len(pids)) - starts[rows]] = slots
-    return tables, False
+    return tables, False, slots
 
 
 def _outputs(store: StoreCore, step: StepState, tables: np.ndarray, lengths: np.ndarray,

@@ -144,16 +144,23 @@ class BlockManager(PageTable):
         never evicts a page of the same request; pinning afterwards is the caller's.
         """
         slots = self.slot[pids]
-        missing = slots < 0
-        nmissing = int(np.count_nonzero(missing))
+        held: np.ndarray | list[int]
+        if len(pids) <= _FEW:  # a step's few pages, sorted out in Python: each numpy call costs more
+            here = slots.tolist()
+            gone = [pid for pid, slot in zip(pids.tolist(), here) if slot < 0]
+            nmissing = len(gone)
+            if nmissing:
+                held = [slot for slot in here if slot >= 0]
+                wanted = np.array(sorted(set(gone)), np.int64)
+        else:
+            missing = slots < 0
+            nmissing = int(np.count_nonzero(missing))
+            if nmissing:
+                held, wanted = slots[~missing], np.unique(pids[missing])
         self.stats.counts["resident_hits"] += len(pids) - nmissing
         if nmissing:
-            held = slots[~missing]
             if len(held):
                 np.add.at(self.pins, held, ONE)
-            # A step's few pages are deduplicated in Python: np.unique's setup costs more.
-            wanted = (np.array(sorted(set(pids[missing].tolist())), np.int64) if nmissing <= _FEW
-                      else np.unique(pids[missing]))
             known = self.corrupt[wanted]
             try:
                 restore(self, wanted)

@@ -125,17 +125,19 @@ def _restore_batch(mgr: PageTable, pids: np.ndarray,
     are placed (each is whole and verified).
     """
     layout, stats = record_layout(mgr.geom), mgr.stats
-    columns = zip(pids.tolist(), slots, mgr.uid[pids].tolist(), mgr.fill[pids].tolist(),
-                  mgr.csum[pids].tolist(), mgr.corrupt[pids].tolist())
+    # A page's scalars are read one by one: a step restores a few pages, where a gather
+    # and a list per column cost more than the reads.
+    uid_of, fill_of, csum_of, corrupt_of = mgr.uid.item, mgr.fill.item, mgr.csum.item, mgr.corrupt.item
     filled: list[int] = []
     bad: PageCorrupt | None = None
     done = nbytes = misses = 0
     try:
         with mgr.spill.locked_read() as txn:  # restores run under the store lock
             started = _clock()  # a page's latency runs from the end of the one before: one clock read a page
-            for pid, slot, uid, fill, csum, corrupt in columns:
+            for pid, slot in zip(pids.tolist(), slots):
+                uid, fill, csum = uid_of(pid), fill_of(pid), csum_of(pid)
                 try:
-                    if corrupt:
+                    if corrupt_of(pid):
                         raise PageCorrupt(f"page {uid} is corrupt", uid)
                     size = _fetch_into(mgr, layout, txn, uid, fill, csum, slot)
                     faults.crashpoint("restore.after_copy")
