@@ -317,10 +317,10 @@ def test_nosync_close_is_a_full_sync(scratch: Path, monkeypatch: pytest.MonkeyPa
 @pytest.mark.timeout(180)
 def test_power_loss_loop_catches_a_missing_flush(tmp_path: Path, scratch: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same loop with ``PagePool.flush_slots`` a no-op must flag a loss in >= 90 of 100
-    cycles: proof that T4 catches a commit that is not preceded by its flush."""
+    """The same loop with ``PagePool.finish_flush`` (the msyncs) a no-op must flag a loss in >= 90
+    of 100 cycles: proof that T4 catches a commit that is not preceded by its flush."""
     seed = get_seed("T4 mutation")
-    monkeypatch.setattr(PagePool, "flush_slots", lambda self, slots: None)
+    monkeypatch.setattr(PagePool, "finish_flush", lambda self: None)
     result = power_loss_loop(scratch / "store", MUTATION_CYCLES, seed, name="T4-mutation",
                              artifact_root=tmp_path / "artifacts")
     print(result.summary().splitlines()[0:2])

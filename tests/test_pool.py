@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import struct
@@ -12,6 +14,7 @@ import pytest
 
 import pagedkv
 from pagedkv import FormatVersionError, Geometry, PagedKVError, StoreCorrupt, faults
+from pagedkv.storage import writeback
 from pagedkv.storage.codec import FORMAT_VERSION
 from pagedkv.storage.pool import HEADER_NBYTES, MAGIC, PagePool, pack_header, unpack_header
 
@@ -273,3 +276,60 @@ def test_pool_create_fallocate_failure_is_typed(tmp_path) -> None:
     finally:
         faults.set_injector(None)
     assert not os.path.exists(path)
+
+
+def test_start_flush_syncs_nothing_until_finish_flush(pool_path: str) -> None:
+    """The flush's msyncs (what makes the slots durable) run in ``finish_flush``, over the same
+    ranges as ``flush_slots``; a flush begun and not finished is replaced by the next one."""
+    ranges: list[tuple[int, int]] = []
+    pool = PagePool.open(pool_path, writable=True)
+    faults.set_flush_recorder(lambda target, start, end: ranges.append((start, end)))
+    try:
+        pool.array[[2, 3, 9]] = 1.0
+        pool.flush_slots([2, 3, 9])
+        whole = list(ranges)
+        ranges.clear()
+        pool.array[[2, 3, 9]] = 2.0
+        pool.start_flush([12])  # abandoned: its caller failed before finishing it
+        pool.start_flush([2, 3, 9])
+        assert ranges == []
+        pool.finish_flush()
+        assert ranges == whole
+        pool.finish_flush()  # nothing begun: nothing to do
+        assert ranges == whole
+    finally:
+        faults.set_flush_recorder(None)
+        pool.close()
+
+
+def test_finish_flush_failure_is_typed(pool_path: str) -> None:
+    def fail(op: str) -> None:
+        if op == "flush":
+            raise OSError(5, "injected EIO")
+
+    pool = PagePool.open(pool_path, writable=True)
+    pool.array[1] = 1.0
+    faults.set_injector(fail)
+    try:
+        pool.start_flush([1])
+        with pytest.raises(PagedKVError, match="injected EIO"):
+            pool.finish_flush()
+    finally:
+        faults.set_injector(None)
+        pool.close()
+
+
+@pytest.mark.skipif(not writeback.available(), reason="sync_file_range is Linux's")
+def test_writeback_binding_reaches_the_system_call(pool_path: str) -> None:
+    """The ctypes binding passes its arguments through: a valid range is accepted, a closed
+    descriptor is refused with EBADF (what a wrong signature would not give)."""
+    call = writeback._SYNC_FILE_RANGE
+    assert call is not None
+    fd = os.open(pool_path, os.O_RDWR)
+    try:
+        assert call(fd, 0, HEADER_NBYTES, 2) == 0
+        writeback.start_writeback(fd, 0, HEADER_NBYTES)
+    finally:
+        os.close(fd)
+    assert call(fd, 0, HEADER_NBYTES, 2) == -1 and ctypes.get_errno() == errno.EBADF
+    writeback.start_writeback(fd, 0, HEADER_NBYTES)  # advisory: the sync that follows reports errors

@@ -93,6 +93,10 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
     """
     noted = mgr.changed.rows()
     pids = noted[mgr.chg[noted] & mgr.live[noted]]
+    faults.crashpoint("commit.before_flush")
+    if durable:
+        # The disk writes the slots while the records are built (PagePool.start_flush).
+        mgr.pool_file.start_flush(np.flatnonzero(mgr.dirty_slot))
     refresh_checksums(mgr, pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]])
     entries, where = dir_entries(mgr, pids)
     flags = mgr.flags[pids]
@@ -111,16 +115,15 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
         gone = np.concatenate([gone, zombies[mgr.rec[zombies] != REC_NONE]])
     record_deletes = uid_keys(mgr.uid[gone]) + [uid_key(uid) for uid, _ in mgr.doomed]
     zombie_keys = uid_keys(mgr.uid[zombies])
-    faults.crashpoint("commit.before_flush")
-    if durable:
-        mgr.pool_file.flush_slots(np.flatnonzero(mgr.dirty_slot))
-    faults.crashpoint("commit.after_flush")
     seq_keys = list(dirty)
     seq_puts = list(zip(seq_keys, seal_many(TAG_SEQS, seq_keys, pack_tables(mgr, list(dirty.values())),
                                             mgr.seed)))
     seq_deletes = [key for key in dropped if key not in dirty]
     meta_puts = [(b"lru", seal(TAG_META, b"lru", mgr.stamp.astype("<i8").tobytes(), mgr.seed)),
                  (b"state", seal(TAG_META, b"state", msgpack.packb(state), mgr.seed))]
+    if durable:
+        mgr.pool_file.finish_flush()  # write-ahead: the slots are durable before the transaction
+    faults.crashpoint("commit.after_flush")
     spill = mgr.spill
 
     def body(txn: Any) -> None:

@@ -14,6 +14,7 @@ from .. import faults
 from .codec import FORMAT_VERSION
 from ..errors import FormatVersionError, StoreCorrupt
 from .files import create_private_file, fsync_dir, io_error, open_file
+from .writeback import start_writeback
 from ..geometry import DTYPES, Geometry
 
 HEADER_NBYTES = 4096
@@ -92,6 +93,7 @@ class PagePool:
         # where building an ndarray over the record and indexing the pool cost more
         # than the copy.
         self.slot_bytes: memoryview = memoryview(self._mm)[HEADER_NBYTES:]
+        self._flushing: list[tuple[int, int]] = []  # the ranges start_flush began, until finish_flush
 
     @classmethod
     def create(cls, path: str, geom: Geometry, pool_pages: int, store_uuid: bytes | None = None) -> PagePool:
@@ -135,27 +137,51 @@ class PagePool:
         return cls(path, fd, geom, store_uuid, pool_pages, writable)
 
     def flush_slots(self, slots: np.ndarray | list[int]) -> None:
-        """msync the byte ranges of ``slots`` to stable storage.
+        """msync the byte ranges of ``slots`` to stable storage (``start_flush`` then ``finish_flush``)."""
+        self.start_flush(slots)
+        self.finish_flush()
 
-        Runs of slots closer than ``_GAP`` bytes share one msync: the kernel writes
-        only the dirty pages of a range, while every msync waits for its own
-        writeback, so a few wide calls beat hundreds of narrow ones.
+    def start_flush(self, slots: np.ndarray | list[int]) -> None:
+        """Begin the flush of ``slots``: their ranges' writeback starts now, ``finish_flush`` syncs them.
+
+        Work done in between (a commit builds its records) overlaps the disk
+        writes (``writeback.start_writeback``); the slots must not be written
+        again before ``finish_flush``. A flush begun and never finished (its
+        caller failed) leaves nothing behind but writes the kernel would have made
+        anyway, and the next ``start_flush`` replaces it. Runs of slots closer
+        than ``_GAP`` bytes share one range: the kernel writes only the dirty
+        pages of a range, while every msync waits for its own writeback, so a few
+        wide calls beat hundreds of narrow ones.
         """
+        self._flushing = ranges = self._runs(slots)
+        for start, end in ranges:
+            start_writeback(self._fd, start, end - start)
+
+    def finish_flush(self) -> None:
+        """msync the ranges ``start_flush`` began (the slots are durable when it returns)."""
+        ranges, self._flushing = self._flushing, []
+        for start, end in ranges:
+            self._msync(start, end)
+
+    def _runs(self, slots: np.ndarray | list[int]) -> list[tuple[int, int]]:
+        """The byte ranges [start, end) of the file covering ``slots``, starts page-aligned."""
         if not len(slots):
-            return
+            return []
         nbytes = self.geom.page_nbytes
         align = mmap.PAGESIZE
         order = np.unique(np.asarray(slots, dtype=np.int64))
         starts = HEADER_NBYTES + order * nbytes
         ends = starts + nbytes
+        runs = []
         run_start, run_end = int(starts[0]) // align * align, int(ends[0])
         for start, end in zip(starts[1:].tolist(), ends[1:].tolist()):
             if start - run_end <= _GAP:
                 run_end = end
                 continue
-            self._msync(run_start, run_end)
+            runs.append((run_start, run_end))
             run_start, run_end = start // align * align, end
-        self._msync(run_start, run_end)
+        runs.append((run_start, run_end))
+        return runs
 
     def _msync(self, start: int, end: int) -> None:
         try:
