@@ -50,7 +50,8 @@ from .storage.lmdbwalk import walk_pages
 from .storage.lockfile import WriterLock
 from .storage.pool import PagePool
 from .snapshot import require_store_dir
-from .storage.spill import (COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, entry_count, lmdb_error,
+from .storage.lmdberrors import lmdb_error
+from .storage.spill import (COMPACT_PREFIX as TEMP_PREFIX, DB_NAMES, SpillStore, entry_count,
                             remove_compaction_copies)
 from .store import StoreOptions
 

@@ -34,7 +34,8 @@ from .pages.sequence import SeqId, Sequence
 from .sequences import Sequences
 from .counters import Stats
 from .storage.pool import PagePool
-from .storage.spill import SpillStore, lmdb_error
+from .storage.lmdberrors import lmdb_error
+from .storage.spill import SpillStore
 
 __all__ = ["CoreHost", "StoreCore", "_op"]
 
