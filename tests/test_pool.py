@@ -321,7 +321,7 @@ def test_finish_flush_failure_is_typed(pool_path: str) -> None:
 
 @pytest.mark.skipif(not writeback.available(), reason="sync_file_range is Linux's")
 def test_writeback_binding_reaches_the_system_call(pool_path: str) -> None:
-    """The ctypes binding passes its arguments through: a valid range is accepted, a closed
+    """The ctypes binding passes its arguments through: a valid range is accepted, no
     descriptor is refused with EBADF (what a wrong signature would not give)."""
     call = writeback._SYNC_FILE_RANGE
     assert call is not None
@@ -331,5 +331,5 @@ def test_writeback_binding_reaches_the_system_call(pool_path: str) -> None:
         writeback.start_writeback(fd, 0, HEADER_NBYTES)
     finally:
         os.close(fd)
-    assert call(fd, 0, HEADER_NBYTES, 2) == -1 and ctypes.get_errno() == errno.EBADF
-    writeback.start_writeback(fd, 0, HEADER_NBYTES)  # advisory: the sync that follows reports errors
+    assert call(-1, 0, HEADER_NBYTES, 2) == -1 and ctypes.get_errno() == errno.EBADF
+    writeback.start_writeback(-1, 0, HEADER_NBYTES)  # advisory: the sync that follows reports errors

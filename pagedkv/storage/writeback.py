@@ -17,7 +17,6 @@ to the interpreter's switch interval.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from typing import Callable
 
@@ -30,9 +29,15 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range on Linux, else None."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    # The running process's own symbols include libc's; ctypes.util.find_library would
+    # run ldconfig in a subprocess at every import.
+    for name in (None, "libc.so.6"):
+        try:
+            function = ctypes.CDLL(name, use_errno=True).sync_file_range
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
         return None
     function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     function.restype = ctypes.c_int

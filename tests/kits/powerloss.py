@@ -217,11 +217,14 @@ def _power_cycle(store: pagedkv.KVStore, rig: PowerLossRig, committed: Model, co
 
 
 def noflush_mutation() -> Callable[[], None]:
-    """Planted bug: ``PagePool.flush_slots`` does nothing (write-ahead order broken). Returns undo."""
-    original = PagePool.flush_slots
-    PagePool.flush_slots = lambda self, slots: None  # type: ignore[method-assign]
+    """Planted bug: ``PagePool.finish_flush`` (the msyncs) does nothing (write-ahead order broken).
+
+    Returns undo.
+    """
+    original = PagePool.finish_flush
+    PagePool.finish_flush = lambda self: None  # type: ignore[method-assign]
 
     def undo() -> None:
-        PagePool.flush_slots = original  # type: ignore[method-assign]
+        PagePool.finish_flush = original  # type: ignore[method-assign]
 
     return undo
