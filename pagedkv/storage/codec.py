@@ -78,7 +78,7 @@ def runs_checksum(body: bytes | memoryview, fill: int, tokens: int, runs: int, u
     """
     if fill == tokens:
         return bytes_checksum(body, fill, uid, seed)
-    stride = len(body) // runs
+    stride = len(body) // runs  # body is one-dimensional: len() counts bytes
     width = stride // tokens * fill
     if width < _RUN_MIN:  # short runs: hashed from one copy of them all
         return bytes_checksum(b"".join([body[start:start + width] for start in range(0, len(body), stride)]),
@@ -134,7 +134,8 @@ def encode_spill(geom: Geometry, uid: int, fill: int, csum: int, page: np.ndarra
         used, payload, decoded = spillcodecs.encode(codec, geom, page, fill)
         nbytes, csum = len(payload), payload_checksum(payload, fill, uid, seed)
     if payload is None:
-        return layout.raw_record(uid, fill, np.ascontiguousarray(page).view(np.uint8).data, csum)[0], used, decoded
+        return layout.raw_record(uid, fill, np.ascontiguousarray(page).view(np.uint8).data.cast("B"), csum,
+                                 seed)[0], used, decoded
     out = bytearray(layout.prefix(uid, fill, used, csum, nbytes))
     out += payload  # appended rather than copied into a zeroed buffer: one pass over the payload, not two
     return out, used, decoded
@@ -191,7 +192,7 @@ class RecordLayout:
         return _LEN.pack(len(header)) + header
 
     def raw_record(self, uid: int, fill: int, body: memoryview, csum: int | None,
-                   seed: int = 0) -> tuple[bytearray, int]:
+                   seed: int) -> tuple[bytearray, int]:
         """The raw record of a page given as its flat bytes, and the checksum it carries.
 
         With ``csum`` None, the checksum of the ``fill`` tokens copied is computed
