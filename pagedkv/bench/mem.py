@@ -13,6 +13,7 @@ import ctypes
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -77,7 +78,9 @@ def child() -> None:
     if trace:
         tracemalloc.start()
     rss0 = _rss_anon()
-    _warm_up(pagedkv, args["path"] + "-warm-up", k, args["token_ids"])
+    scratch = args["path"] + "-warm-up"
+    _warm_up(pagedkv, scratch, k, args["token_ids"])
+    shutil.rmtree(scratch)
     gc.collect()
     if trace:
         warm = tracemalloc.get_traced_memory()[0]
@@ -86,6 +89,7 @@ def child() -> None:
     else:
         rss = _rss_anon()
         warm = -1 if rss is None or rss0 is None else rss - rss0
+        _trimmed(None)  # glibc hands back what the warm-up freed, so the store's growth is not read low
     rss0 = _rss_anon()
     store = pagedkv.open(args["path"], GEOM, pool_pages=args["pool_pages"], durability="nosync")
     samples: list[tuple[int, int]] = []  # (pages, bytes) after each commit
