@@ -50,14 +50,16 @@ def lmdb_error(exc: lmdb.Error, what: str, path: str | None = None) -> PagedKVEr
     return StoreIOError(f"{what}: {text}")
 
 
-
 def _short_write_cause(path: str) -> str | None:
     """Why a write to the LMDB environment at ``path`` came up short, if it was exhaustion."""
     data = os.path.join(path, "data.mdb")
     try:
-        with open(data, "rb") as fh:
-            head = fh.read(44)
-            size = os.fstat(fh.fileno()).st_size
+        fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # store files are never links
+        try:
+            head = os.pread(fd, 44, 0)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         fs = os.statvfs(path)
     except OSError:
         return None
