@@ -44,3 +44,19 @@ def test_commits_do_not_rebuild_the_interned_table(tmp_path) -> None:
                                               for frame in stat.traceback)]
     assert not big, "a write transaction allocated a large block: " + "; ".join(
         f"{stat.size} B at {stat.traceback.format()[-1].strip()}" for stat in big)
+
+
+def test_stat_keys_are_the_held_names(tmp_path) -> None:
+    """The mechanism itself: the keys Transaction.stat interns are the very names spill.py holds."""
+    from pagedkv.storage import spill
+
+    store = pagedkv.open(str(tmp_path / "s"), GEOM, pool_pages=16, durability="nosync")
+    try:
+        env = store._spill.env
+        with env.begin() as txn:
+            keys = list(txn.stat(store._spill.dir))
+            assert spill.entry_count(txn, store._spill.dir) == 0
+    finally:
+        store.close()
+    assert keys == list(spill._STAT_FIELDS)
+    assert all(key is held for key, held in zip(keys, spill._STAT_FIELDS))
