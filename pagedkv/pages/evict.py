@@ -156,6 +156,7 @@ def _put_record(mgr: PageTable, plan: Plan, slot: int, pid: int, gen: int, commi
     ``csum`` None: the page's current checksum is not known yet; a raw record
     computes it from its copy of the slot, and the directory keeps it.
     """
+    new_csum = new_c_csum = None
     if mgr.spill_codec == "raw":
         layout = record_layout(mgr.geom)
         at = slot * layout.page_nbytes
@@ -163,22 +164,20 @@ def _put_record(mgr: PageTable, plan: Plan, slot: int, pid: int, gen: int, commi
                                           mgr.seed)
         if csum is None:
             mgr.csum[pid], mgr.csum_ok[pid] = known, True
-        plan.puts.append((mgr.spill.pages, uid_key(uid), record))
-        plan.added += len(record)
-        plan.removed += mgr.rec_bytes.item(pid)
-        return Spilled(slot, pid, gen, len(record), _RAW, committed, uid, None, None)
-    record, used, decoded = encode_spill(mgr.geom, uid, fill, mgr.checksum(pid) if csum is None else csum,
-                                         mgr.pool[slot], mgr.spill_codec, mgr.seed)
-    new_csum = new_c_csum = None
-    if decoded is not None:
-        # Lossy: from now on the page *is* its dequantised values, committed tokens included.
-        new_csum = page_checksum(decoded, fill, uid, mgr.seed)
-        if mgr.c_where[pid] != NOWHERE:
-            new_c_csum, committed = page_checksum(decoded, int(mgr.c_fill[pid]), uid, mgr.seed), True
+        codec = _RAW
+    else:
+        record, used, decoded = encode_spill(mgr.geom, uid, fill, mgr.checksum(pid) if csum is None else csum,
+                                             mgr.pool[slot], mgr.spill_codec, mgr.seed)
+        codec = CODECS.index(used)
+        if decoded is not None:
+            # Lossy: from now on the page *is* its dequantised values, committed tokens included.
+            new_csum = page_checksum(decoded, fill, uid, mgr.seed)
+            if mgr.c_where[pid] != NOWHERE:
+                new_c_csum, committed = page_checksum(decoded, int(mgr.c_fill[pid]), uid, mgr.seed), True
     plan.puts.append((mgr.spill.pages, uid_key(uid), record))
     plan.added += len(record)
-    plan.removed += int(mgr.rec_bytes[pid])
-    return Spilled(slot, pid, gen, len(record), CODECS.index(used), committed, uid, new_csum, new_c_csum)
+    plan.removed += mgr.rec_bytes.item(pid)
+    return Spilled(slot, pid, gen, len(record), codec, committed, uid, new_csum, new_c_csum)
 
 
 def apply_spilled(mgr: PageTable, landed: Sequence[Spilled], slots: Sequence[int] | None = None) -> int:
@@ -207,8 +206,10 @@ def apply_spilled(mgr: PageTable, landed: Sequence[Spilled], slots: Sequence[int
         slots = fields[0] if fields else ()
     if landed:
         pid = np.array(fields[1], np.int64)
-        mine = (mgr.uid[pid] == np.array(fields[6], np.uint64)) & (
-            mgr.live[pid] | np.array(fields[5], np.bool_) if True in fields[5] else mgr.live[pid])
+        # A row is still the batch's page if its uid matches and it is live, or the batch
+        # rewrote its entry (a freed page's committed bytes); entries are rare, so looked for in C.
+        held = mgr.live[pid] | np.array(fields[5], np.bool_) if True in fields[5] else mgr.live[pid]
+        mine = (mgr.uid[pid] == np.array(fields[6], np.uint64)) & held
         if not mine.all():
             for item in (item for item, ok in zip(landed, mine.tolist()) if not ok and item.nbytes >= 0):
                 mgr.doomed.append((item.uid, item.nbytes))
