@@ -31,7 +31,7 @@ KINDS = {
     "slot_owner": "a resident page's pool slot names another page",
     "slot_count": "occupied slots and resident pages disagree",
     "free_list": "the free-slot list is inconsistent",
-    "pin_count": "a slot has a negative pin count",
+    "pin_count": "a slot has a negative pin count, or the pins held are not the pins counted",
     "pool_checksum": "a resident page's pool slot fails its checksum",
     "missing_record": "a spilled page has no current spill record",
     "record": "a spill record is missing, malformed or fails its checksum",
@@ -122,6 +122,9 @@ def _check_slots(store: StoreCore, live: np.ndarray) -> list[Problem]:
         problems.append(Problem("slot_count", "used + free + pending slots do not add up to the pool size"))
     if (mgr.pins < 0).any():
         problems.append(Problem("pin_count", "a slot has a negative pin count"))
+    if int(mgr.pins.sum()) != mgr.pin_refs:
+        problems.append(Problem("pin_count", f"{int(mgr.pins.sum())} pins are held but {mgr.pin_refs} "
+                                "are counted"))
     return problems
 
 

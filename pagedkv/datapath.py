@@ -44,7 +44,7 @@ def append(store: StoreCore, seq: Sequence, k: np.ndarray, v: np.ndarray,
     """Write ``k``/``v`` after the sequence's last token, page by page."""
     mgr, page_size = store._mgr, store.geometry.page_size
     count = int(k.shape[1])
-    if mgr.available() < 1:
+    if not mgr.has_room(1):
         raise PoolExhausted("every pool slot is pinned by active steps")
     pos = 0
     while pos < count:
@@ -374,7 +374,7 @@ def _resident_chunks(store: StoreCore, seq: Sequence, first: int,
     restores may evict the previous one's pages.
     """
     mgr = store._mgr
-    chunk = mgr.available()
+    chunk = mgr.unpinned_at_least()
     if last > first and chunk < 1:
         raise PoolExhausted("every pool slot is pinned by active steps")
     for lo in range(first, last, max(chunk, 1)):

@@ -68,4 +68,4 @@ def fits(store: StoreCore, new_tokens: PerSequence[int]) -> bool:
     seqs = [store._seqs.find(seq_id) for seq_id in new_tokens]
     if any(not frozenset(seqs).isdisjoint(active.members) for active in store._seqs.busy.values()):
         return False
-    return pages_needed(store, seqs, counts) <= store._mgr.available()
+    return store._mgr.has_room(pages_needed(store, seqs, counts))

@@ -26,7 +26,7 @@ def fresh_pages(store: StoreCore, step: StepState, seqs: list[Sequence], rows: n
     pids = mgr.new_pages(counts[rows])
     slab = None if step.ordered_ids is None else mgr.start_tokens(pids, step.ordered_ids[rows])
     slots = mgr.slot[pids]
-    mgr.pins[slots] += 1  # new pages: distinct slots
+    mgr.pin(slots)
     step._extra.extend(slots.tolist())
     tables[rows, npages[rows]] = slots
     for row, pid in zip(rows.tolist(), pids.tolist()):
@@ -64,7 +64,7 @@ def grow(store: StoreCore, step: StepState, seq: Sequence, count: int, row: np.n
 
 
 def pin_one(mgr: Any, step: StepState, slot: int) -> None:
-    mgr.pins[slot] += 1
+    mgr.pin_slot(slot)
     step._extra.append(slot)
 
 

@@ -20,7 +20,7 @@ from .core import StoreCore
 from .errors import PoolExhausted
 from .pages.prefix import seal, write_tokens
 from .pages.sequence import SeqId, Sequence
-from .pages.directory import HAS_TOKENS, ONE
+from .pages.directory import HAS_TOKENS
 from .pages.manager import BlockManager
 from .stepgrow import fresh_pages, grow, inplace_tokens
 from .stepstate import NONE, StepState
@@ -128,7 +128,7 @@ def begin(store: StoreCore, step: StepState) -> None:
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
     # Any pins still kept are this batch's (the others went back above) and its table is reused.
-    if mgr.kept_for is not None and new_pages + copies <= mgr.available():
+    if mgr.kept_for is not None and mgr.has_room(new_pages + copies):
         held = _take_kept(store, step, seqs)
     else:
         mgr.release_kept()
@@ -279,12 +279,12 @@ def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: n
     if reused:
         mgr.stats.add("resident_hits", len(held))
     needed = len(held) + extra
-    if needed > mgr.available():
+    if not mgr.has_room(needed):
         needed = pages_needed(store, seqs, step.new_tokens)
-        if needed > mgr.available():
+        if not mgr.has_room(needed):
             raise PoolExhausted(
                 f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
-    np.add.at(mgr.pins, held, ONE)
+    mgr.pin(held)
     step._held = held
     step._seqs = seqs
     return held
@@ -321,9 +321,9 @@ def _tables(store: StoreCore, step: StepState, seqs: list[Sequence], npages: np.
         wider[:, :tables.shape[1]] = tables
         return wider, True, None
     pids = seqs[0].table if len(seqs) == 1 else np.concatenate([seq.table for seq in seqs])
-    if len(pids) + new_pages + len(seqs) > mgr.available():  # shared pages and copies: count exactly
+    if not mgr.has_room(len(pids) + new_pages + len(seqs)):  # shared pages and copies: count exactly
         needed = pages_needed(store, seqs, step.new_tokens)
-        if needed > mgr.available():
+        if not mgr.has_room(needed):
             raise PoolExhausted(
                 f"step needs {needed} resident pages at once; {mgr.available()} slots are not pinned")
     slots = mgr.ensure_resident(pids) if len(pids) else pids.astype(np.int32)
@@ -391,8 +391,8 @@ def end(store: StoreCore, step: StepState, ok: bool) -> None:
             mgr.keep_pins(np.concatenate([step._held, extra]) if len(extra) else step._held, step._keep_for)
         else:
             if len(step._held):
-                np.subtract.at(mgr.pins, step._held, ONE)
+                mgr.unpin(step._held)
             if step._extra:
-                mgr.pins[step._extra] -= 1  # distinct: new pages and copies
+                mgr.unpin(step._extra)  # new pages and copies
         step._held, step._extra, step._keep_for = NONE, [], None
         store._seqs.busy.pop(id(step), None)

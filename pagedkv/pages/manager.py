@@ -60,7 +60,7 @@ class BlockManager(PageTable):
         self.gen[pids] = 1
         self.csum_ok[pids] = False
         self.note_changed_many(pids)
-        self.dirty_slot[slots] = True
+        self.dirty.add_many(slots)
         self.page_tokens.drop_many(pids.tolist())
         self.stats.add("pages_allocated", count)
         return pids
@@ -75,11 +75,11 @@ class BlockManager(PageTable):
     def copy_page(self, src: int) -> int:
         """Copy-on-write: a new private page holding ``src``'s tokens."""
         self.ensure_resident(np.array([src]))
-        self.pins[self.slot[src]] += 1
+        self.pin_slot(self.slot.item(src))
         try:
             dst = self.new_page()
         finally:
-            self.pins[self.slot[src]] -= 1
+            self.unpin_slot(self.slot.item(src))
         self.verify(src)
         self.pool[self.slot[dst]] = self.pool[self.slot[src]]
         self.mark_written(dst, int(self.fill[src]))
@@ -160,7 +160,7 @@ class BlockManager(PageTable):
         self.stats.counts["resident_hits"] += len(pids) - nmissing
         if nmissing:
             if len(held):
-                np.add.at(self.pins, held, ONE)
+                self.pin(held)
             known = self.corrupt[wanted]
             try:
                 restore(self, wanted)
@@ -171,7 +171,7 @@ class BlockManager(PageTable):
                 raise
             finally:
                 if len(held):
-                    np.subtract.at(self.pins, held, ONE)
+                    self.unpin(held)
             slots = self.slot[pids]
         self.touch(slots)
         resident: np.ndarray = slots

@@ -96,7 +96,7 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
     faults.crashpoint("commit.before_flush")
     if durable:
         # The disk writes the slots while the records are built (PagePool.start_flush).
-        mgr.pool_file.start_flush(np.flatnonzero(mgr.dirty_slot))
+        mgr.pool_file.start_flush(mgr.dirty.rows())
     refresh_checksums(mgr, pids[(mgr.slot[pids] >= 0) & ~mgr.csum_ok[pids]])
     entries, where = dir_entries(mgr, pids)
     flags = mgr.flags[pids]

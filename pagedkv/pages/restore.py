@@ -35,7 +35,7 @@ def resident_slot(mgr: PageTable, pid: int) -> int:
     """
     slot: int = mgr.slot.item(pid)
     if slot >= 0:
-        if mgr.pins.item(slot) and mgr.available() < 1:
+        if mgr.pins.item(slot) and not mgr.has_room(1):
             raise PoolExhausted(_ALL_PINNED)
         mgr.stats.counts["resident_hits"] += 1
         mgr.tick += 1  # touch: the slot was used now
@@ -43,7 +43,7 @@ def resident_slot(mgr: PageTable, pid: int) -> int:
         mgr.verify(pid)
     else:
         free = mgr.free_slots
-        if (not free or mgr.pins.item(free[-1])) and mgr.available() < 1:
+        if (not free or mgr.pins.item(free[-1])) and not mgr.has_room(1):
             raise PoolExhausted(_ALL_PINNED)
         known: bool = mgr.corrupt.item(pid)
         uid: int = mgr.uid.item(pid)
@@ -107,11 +107,11 @@ def restore(mgr: PageTable, pids: np.ndarray) -> None:
             filled, failed = _restore_batch(mgr, part, slots)
             bad = bad or failed
             if start + chunk < count:  # only a later batch's eviction could take them
-                mgr.pins[filled] += 1
+                mgr.pin(filled)
                 held += filled
     finally:
         if held:
-            mgr.pins[held] -= 1
+            mgr.unpin(held)
     if bad is not None:
         raise bad
 

@@ -63,12 +63,17 @@ class PageTable(Directory):
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)  # the page whose committed bytes it holds
         self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed as "lru")
         self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
+        # Every pin held, counted once per reference (the sum of pins), kept by pin() and unpin():
+        # pool_pages - pin_refs slots at least are unpinned, so has_room rarely scans pins.
+        self.pin_refs = 0
         # Pins the last step of a batch left in place for its next step (keep_pins): the
         # next operation of any other kind gives them back first (release_kept).
         self.kept = np.zeros(0, np.int32)
         self.kept_for: object | None = None  # the batch they were kept for
         self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))  # taken from the end
-        self.dirty_slot = np.zeros(self.pool_pages, np.bool_)  # slots written since the last commit
+        # Slots written since the last commit (what a durable commit flushes), noted as they are
+        # written: a commit then costs the slots it flushes, not the pool.
+        self.dirty = PendingRows(lambda rows: rows)
         # Rows the next commit visits, so that it costs what changed rather than the directory:
         # every row set in chg is noted in `changed`, every row whose ref moved in `refs_moved`.
         self.changed = PendingRows(lambda rows: rows[self.chg[rows]])
@@ -103,7 +108,7 @@ class PageTable(Directory):
         self.tick = tick = self.tick + 1
         self.stamp[slot] = tick
         self.note_changed(pid)
-        self.dirty_slot[slot] = True
+        self.dirty.add(slot)
 
     def mark_written(self, pid: int, fill: int) -> None:
         """Record that ``pid``'s bytes changed and now hold ``fill`` tokens."""
@@ -113,7 +118,7 @@ class PageTable(Directory):
         if self.rec[pid] == REC_CURRENT:
             self.rec[pid] = REC_STALE
         self.note_changed(pid)
-        self.dirty_slot[self.slot[pid]] = True
+        self.dirty.add(self.slot.item(pid))
 
     def mark_written_many(self, pids: np.ndarray, fills: np.ndarray) -> None:
         """``mark_written`` for many distinct resident pages at once."""
@@ -123,7 +128,7 @@ class PageTable(Directory):
         rec = self.rec[pids]
         self.rec[pids] = np.where(rec == REC_CURRENT, REC_STALE, rec)
         self.note_changed_many(pids)
-        self.dirty_slot[self.slot[pids]] = True
+        self.dirty.add_many(self.slot[pids])
 
     def note_changed(self, pid: int) -> None:
         """Have the next commit rewrite ``pid``'s directory entry."""
@@ -157,13 +162,47 @@ class PageTable(Directory):
     def release_kept(self) -> None:
         """Unpin what ``keep_pins`` left pinned (nothing if nothing is kept)."""
         if len(self.kept):
-            np.subtract.at(self.pins, self.kept, ONE)
+            self.unpin(self.kept)
             self.kept = self.kept[:0]
         self.kept_for = None
 
+    def pin(self, slots: np.ndarray | list[int]) -> None:
+        """Pin each of ``slots`` once per entry (a slot may repeat: pages shared by a batch)."""
+        np.add.at(self.pins, slots, ONE)
+        self.pin_refs += len(slots)
+
+    def unpin(self, slots: np.ndarray | list[int]) -> None:
+        """Give back pins ``pin`` took (the same entries)."""
+        np.subtract.at(self.pins, slots, ONE)
+        self.pin_refs -= len(slots)
+
+    def pin_slot(self, slot: int) -> None:
+        """``pin`` for one slot."""
+        self.pins[slot] += 1
+        self.pin_refs += 1
+
+    def unpin_slot(self, slot: int) -> None:
+        """``unpin`` for one slot."""
+        self.pins[slot] -= 1
+        self.pin_refs -= 1
+
     def available(self) -> int:
-        """How many slots are free or could be freed now (not pinned)."""
+        """How many slots are free or could be freed now (not pinned): a scan of every slot's pins."""
         return int(self.pool_pages - np.count_nonzero(self.pins))
+
+    def has_room(self, count: int) -> bool:
+        """Whether ``count`` slots are unpinned (``available() >= count``), without a scan where it can.
+
+        ``pin_refs`` counts a slot pinned twice twice, so at least ``pool_pages -
+        pin_refs`` slots are unpinned: only when the pins held come near the pool's
+        size (a step then costs that much anyway) are the slots counted.
+        """
+        return count <= self.pool_pages - self.pin_refs or count <= self.available()
+
+    def unpinned_at_least(self) -> int:
+        """A count of unpinned slots that is exact or low (``available()`` where the cheap bound is 0)."""
+        bound = self.pool_pages - self.pin_refs
+        return bound if bound > 0 else self.available()
 
     def droppable(self) -> np.ndarray:
         """Cache-only pages that no sequence, committed or live, references and no step pins."""
@@ -340,7 +379,7 @@ class PageTable(Directory):
         self.chg[noted] = False
         self.changed.clear()
         self.refs_moved.clear()
-        self.dirty_slot[:] = False
+        self.dirty.clear()
         self.zombies = []
         self.doomed = []
 
