@@ -105,6 +105,10 @@ def test_b2_token_id_rows_hash_every_filled_page(rows: list[dict[str, Any]]) -> 
             assert "vLLM not importable" in row["notes"]
     fixed = _named(rows, "B2", "one-sequence step fixed cost")
     assert fixed["params"]["sequences"] == 1 and fixed["unit"] == "us/step" and fixed["target"] == "<= 25 us"
+    growth = _named(rows, "B2", "one-sequence step fixed cost, 100000 vs 1000 slots")
+    assert growth["target"] == "<= 1.2x" and growth["params"]["large_pool_pages"] == 100 * growth["params"][
+        "small_pool_pages"]
+    assert growth["metrics"]["small_us"] == growth["reference"]
 
 
 @pytest.mark.slow

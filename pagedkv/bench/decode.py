@@ -6,6 +6,8 @@
   v1's own ``KVCacheManager`` with request hashing (``vllmref.VllmDecode``).
 * ``b2_fixed_cost``: a one-sequence, one-token step, the cost every step pays
   whatever its batch.
+* ``b2_fixed_growth``: that step on a pool a thousand times larger, against the
+  small pool's: what a step costs must not grow with the pool.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ VOCAB = 32_000
 
 def b2_all(ctx: Ctx) -> list[dict[str, Any]]:
     """B2, every row: steps without token ids (``meta.b2_step``), with token ids, the fixed cost."""
-    return b2_step(ctx) + b2_token_ids(ctx) + b2_fixed_cost(ctx)
+    return b2_step(ctx) + b2_token_ids(ctx) + b2_fixed_cost(ctx) + b2_fixed_growth(ctx)
 
 
 def hashed_pages(store: KVStore) -> int:
@@ -196,3 +198,53 @@ def b2_fixed_cost(ctx: Ctx) -> list[dict[str, Any]]:
                      result.ratio, Target("<= 25 us", "<=", 25.0, on="pagedkv"), params,
                      "with store.step({0: 1}): pass on one resident sequence, no token ids, us per step; "
                      "the reference is the pure-Python block manager's one-sequence step (ratio reported)")]
+
+
+def b2_fixed_growth(ctx: Ctx) -> list[dict[str, Any]]:
+    """B2: the one-sequence step of ``b2_fixed_cost`` on a 1,000,000-slot pool against a 1,000-slot one.
+
+    Blocks of steps alternate between the two stores (large then small), each
+    store's one resident sequence stepping by one token. A step's work is its
+    sequence's pages, so the ratio should be 1; a scan of the pool's slots in
+    every step is what it catches (64-byte pages: the large pool is a 64 MB file).
+    """
+    small_slots, large_slots = 1_000, (100_000 if ctx.quick else 1_000_000)
+    steps, pairs = (100, 5) if ctx.quick else (500, 15)
+    block = steps // pairs
+    prompt = ctx.rng("b2-growth").randint(1, 512)
+    paths = {size: ctx.path(f"b2-growth-{size}") for size in (small_slots, large_slots)}
+    stores: dict[int, KVStore] = {}
+    mapping: dict[SeqId, int] = {0: 1}
+    try:
+        for size, path in paths.items():
+            ctx.say(f"B2: a one-sequence step on a {size}-slot pool")
+            stores[size] = store = open_store(path, META_GEOM, pool_pages=size)
+            store.create(0)
+            with store.step({0: prompt}):
+                pass
+
+        def stepper(store: KVStore) -> _Steps:
+            def one(_: int) -> None:
+                with store.step(mapping):
+                    pass
+            return _Steps(one, block, 1)
+
+        large, small = stepper(stores[large_slots]), stepper(stores[small_slots])
+        large()  # warm-up
+        small()
+        result = interleave(large, small, pairs)
+        lengths = {size: store.length(0) for size, store in stores.items()}
+        assert len(set(lengths.values())) == 1, f"B2 growth: the two stores took different steps {lengths}"
+    finally:
+        for store in stores.values():
+            store.close()
+        for path in paths.values():
+            shutil.rmtree(path, ignore_errors=True)
+    params = {**geom_params(META_GEOM), "sequences": 1, "new_tokens_per_step": 1, "steps": steps,
+              "pairs": pairs, "prompt_tokens": prompt, "small_pool_pages": small_slots,
+              "large_pool_pages": large_slots}
+    return [make_row("B2", f"one-sequence step fixed cost, {large_slots} vs {small_slots} slots", result.a_median,
+                     result.b_median, "us/step", result.ratio, Target("<= 1.2x", "<=", 1.2), params,
+                     "with store.step({0: 1}): pass on one resident sequence, no token ids, on a pool of "
+                     f"{large_slots} slots vs one of {small_slots}, interleaved",
+                     {"small_us": result.b_median})]

@@ -40,7 +40,7 @@ Scenario = Callable[[Ctx], list[dict[str, Any]]]
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "B1": ("prefill append vs page-by-page memmap copy", b1_prefill),
     "B2": ("decode bookkeeping: step() vs a pure-Python block manager; with token ids, also vs vLLM's "
-           "KVCacheManager; a one-sequence step's fixed cost", b2_all),
+           "KVCacheManager; a one-sequence step's fixed cost, and on a pool 1,000x larger", b2_all),
     "B3": ("read whole sequences vs numpy copy", b3_read),
     "B4": ("spill/restore churn vs raw LMDB (and one file per page), per spill codec", b4_churn),
     "B5": ("the seed workload: 20,000 60-byte tokens, 0.5 MB pool; a spilled page's read vs a bare LMDB get",
