@@ -137,3 +137,35 @@ def test_durable_commit_flushes_exactly_the_written_slots(tmp_path: Path) -> Non
         assert flushed[-1].tolist() == [int(store._mgr.slot[store._seqs.find(1).table[-1]])]
     finally:
         store.close()
+
+
+def _evict_us(store: KVStore, batches: int) -> float:
+    """Microseconds per page of ``batches`` eviction batches of 64 (nosync: no sync in the figure)."""
+    mgr = store._mgr
+    started = time.perf_counter()
+    evicted = sum(mgr.evict(64) for _ in range(batches))
+    assert evicted == 64 * batches
+    return (time.perf_counter() - started) / evicted * 1e6
+
+
+def test_eviction_cost_does_not_grow_with_the_pool(tmp_path: Path) -> None:
+    """Evicting a page costs the same from a full 2,000-slot and a full 200,000-slot pool (within 1.6x).
+
+    Choosing a batch's victims once scanned every slot's stamp and pins: 4x the
+    small pool's cost per page at 200,000 slots, 17x at 1,000,000.
+    """
+    stores = {}
+    try:
+        for size in (2_000, 200_000):
+            store = stores[size] = pagedkv.open(str(tmp_path / f"s{size}"), GEOM, pool_pages=size,
+                                                durability="nosync")
+            store.create(0)
+            with store.step({0: GEOM.page_size * size}):  # every slot holds a page
+                pass
+            store.commit()
+            _evict_us(store, 3)  # warm-up
+        ratios = [_evict_us(stores[200_000], 4) / _evict_us(stores[2_000], 4) for _ in range(5)]
+    finally:
+        for store in stores.values():
+            store.close()
+    assert statistics.median(ratios) < 1.6, f"large / small pool eviction cost per page: {ratios}"

@@ -177,11 +177,9 @@ class WriteBehind:
 
     def _choose(self) -> list[_Victim]:
         mgr = self._host.manager
-        live = np.flatnonzero((mgr.slot_pid >= 0) & (mgr.pins == 0) & (mgr.bg_pins == 0))
-        count = min(len(live), mgr.evict_batch)
-        if not count:
+        live = mgr.oldest.take(mgr.slot_pid, mgr.stamp, mgr.pins, mgr.bg_pins, mgr.evict_batch)
+        if not len(live):
             return []
-        live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
         victims = []
         for slot in live.tolist():
             pid = int(mgr.slot_pid[slot])

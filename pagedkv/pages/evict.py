@@ -135,16 +135,13 @@ def _evict(mgr: PageTable, count: int, strict: bool) -> int:
 
 def _choose(mgr: PageTable, count: int) -> np.ndarray:
     """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
-    idle = (mgr.pins | mgr.bg_pins) == 0  # one pass for both counts: zero only where both are
-    held = mgr.slot_pid >= 0
-    live = np.flatnonzero(held & idle)
-    if len(live) > count:
-        live = live[np.argpartition(mgr.stamp[live], count - 1)[:count]]
-    live = live[np.argsort(mgr.stamp[live], kind="stable")]
-    reclaim = np.flatnonzero(~held & (mgr.slot_cpid >= 0) & idle)
+    noted = mgr.pending_slots.rows()
+    reclaim = noted[(mgr.slot_pid[noted] < 0) & (mgr.slot_cpid[noted] >= 0)
+                    & ((mgr.pins[noted] | mgr.bg_pins[noted]) == 0)][:count]
+    live = mgr.oldest.take(mgr.slot_pid, mgr.stamp, mgr.pins, mgr.bg_pins, count - len(reclaim))
     if not len(reclaim):
         return live
-    chosen: np.ndarray = np.concatenate([reclaim[:count], live[: max(0, count - len(reclaim))]])
+    chosen: np.ndarray = np.concatenate([reclaim, live])
     return chosen
 
 
@@ -275,6 +272,7 @@ def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[An
     mgr.pstamp[leaving] = mgr.stamp[emptied]
     mgr.slot[leaving] = -1
     mgr.slot_pid[emptied] = -1
+    mgr.pending_slots.add_many(emptied)  # any that still holds committed bytes is pending
     return len(leaving)
 
 

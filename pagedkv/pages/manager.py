@@ -120,7 +120,9 @@ class BlockManager(PageTable):
             self.slot_pid[slot] = -1
             self.slot[pid] = -1
             # A slot write-behind is reading from is handed back when its batch lands.
-            if self.slot_cpid[slot] < 0 and self.bg_pins[slot] == 0:
+            if self.slot_cpid[slot] >= 0:
+                self.pending_slots.add(slot)
+            elif self.bg_pins[slot] == 0:
                 self.free_slots.append(slot)
         self.chg[pid] = False
         self.page_tokens.drop(pid)

@@ -67,6 +67,11 @@ class PendingRows:
         distinct: Rows = ordered[keep]
         return distinct
 
+    def retain(self) -> None:
+        """Drop the rows the ``keep`` filter rejects, and the repeats (a log read across commits)."""
+        if len(self._log):
+            self._compact()
+
     def clear(self) -> None:
         """Forget every noted row (after a commit has written them)."""
         self._log = array("q")

@@ -32,6 +32,7 @@ from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURREN
 from .pending import PendingRows
 from .prefix import PrefixIndex
 from .tokens import PageTokens
+from .victims import OldestSlots
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class PageTable(Directory):
         self.slot_pid = np.full(self.pool_pages, -1, np.int64)  # the page resident there now (-1: none)
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)  # the page whose committed bytes it holds
         self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed as "lru")
+        self.oldest = OldestSlots()  # eviction's view of the stamps: the least recently used slots, in order
         self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
         # Every pin held, counted once per reference (the sum of pins), kept by pin() and unpin():
         # pool_pages - pin_refs slots at least are unpinned, so has_room rarely scans pins.
@@ -74,6 +76,9 @@ class PageTable(Directory):
         # Slots written since the last commit (what a durable commit flushes), noted as they are
         # written: a commit then costs the slots it flushes, not the pool.
         self.dirty = PendingRows(lambda rows: rows)
+        # Slots that hold only a freed page's committed bytes until a commit forgets it (the
+        # first victims), noted as pages are freed: eviction then need not scan the pool for them.
+        self.pending_slots = PendingRows(lambda rows: rows[(self.slot_pid[rows] < 0) & (self.slot_cpid[rows] >= 0)])
         # Rows the next commit visits, so that it costs what changed rather than the directory:
         # every row set in chg is noted in `changed`, every row whose ref moved in `refs_moved`.
         self.changed = PendingRows(lambda rows: rows[self.chg[rows]])
@@ -331,6 +336,7 @@ class PageTable(Directory):
         self.slot_cpid[where[resident]] = pids[resident]
         if stamps is not None:
             self.stamp[:] = stamps
+        self.oldest.reset()
         self.free_slots = np.flatnonzero(self.slot_pid < 0)[::-1].tolist()
         self.next_uid = next_uid
         self.tick = max(tick, int(self.stamp.max()))
@@ -380,6 +386,7 @@ class PageTable(Directory):
         self.changed.clear()
         self.refs_moved.clear()
         self.dirty.clear()
+        self.pending_slots.retain()
         self.zombies = []
         self.doomed = []
 
