@@ -1,4 +1,8 @@
-"""B7's growth rows: the same decode-step commit on a small and a large store, interleaved."""
+"""B7's growth rows: the same decode-step commit on a small and a large store, interleaved.
+
+``b7_growth`` grows the directory (idle pages, spilled), ``b7_pool_growth`` the
+pool (idle slots): a commit must cost what the step changed in either case.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ HEADROOM = 1024  # pool slots beyond the active pages: the steps' new pages fit 
 
 def b7_all(ctx: Ctx) -> list[dict[str, Any]]:
     """B7, every row: the commit against its references (``meta.b7_commit``), then its growth with the directory."""
-    return b7_commit(ctx) + b7_growth(ctx)
+    return b7_commit(ctx) + b7_growth(ctx) + b7_pool_growth(ctx)
 
 
 def _build(path: str, pages: int, prompts: list[int], pool: int) -> dict[str, Any]:
@@ -118,4 +122,53 @@ def b7_growth(ctx: Ctx) -> list[dict[str, Any]]:
                                  "is large / small", metrics))
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+def b7_pool_growth(ctx: Ctx) -> list[dict[str, Any]]:
+    """B7: the 256-sequence decode-step commit on a 1,000,000-slot pool against one of its pages + ``HEADROOM``.
+
+    The same active sequences, resident in both; the large pool's other slots
+    are empty. Each round steps and commits the large store, then the small
+    one, per durability mode. What a commit writes of the slots (their LRU
+    stamps, the slots it flushes) must be what the step touched.
+    """
+    pairs = 5 if ctx.quick else 15
+    page_size = META_GEOM.page_size
+    rng = ctx.rng("b7-pool-growth")
+    prompts = [rng.randint(16, 512) for _ in range(ACTIVE)]
+    small = sum(-(-p // page_size) for p in prompts) + HEADROOM
+    large = 100_000 if ctx.quick else 1_000_000
+    token = np.ones((META_GEOM.layers, 2, META_GEOM.kv_heads, META_GEOM.head_dim), META_GEOM.np_dtype)
+    mapping: dict[SeqId, int] = {seq: 1 for seq in range(ACTIVE)}
+    rows = []
+    for mode in ("nosync", "durable"):
+        base = ctx.path(f"b7-pool-growth-{mode}")
+        stores: dict[int, KVStore] = {}
+        try:
+            for slots in (small, large):
+                ctx.say(f"B7: a {mode} store with a {slots}-slot pool")
+                store = stores[slots] = open_store(os.path.join(base, str(slots)), META_GEOM, pool_pages=slots,
+                                                   durability=mode)
+                for seq in range(ACTIVE):
+                    store.create(seq)
+                with store.step(dict(enumerate(prompts))):
+                    pass
+                store.commit()
+                decode_commit(store, mapping, token)  # warm-up
+            result = interleave(lambda: decode_commit(stores[large], mapping, token),
+                                lambda: decode_commit(stores[small], mapping, token), pairs)
+            lens = [store.length(0) for store in stores.values()]
+            assert lens[0] == lens[1], "B7 pool growth: the two stores took different steps"
+        finally:
+            for store in stores.values():
+                store.close()
+            shutil.rmtree(base, ignore_errors=True)
+        params = {**geom_params(META_GEOM), "durability": mode, "sequences": ACTIVE, "pairs": pairs,
+                  "pool_pages_small": small, "pool_pages_large": large}
+        rows.append(make_row("B7", f"commit after decode step {mode}, {large}-slot vs {small}-slot pool",
+                             result.a_median, result.b_median, "ms", result.ratio, Target("<= 1.2x", "<=", 1.2),
+                             params, f"the same commit() after a 1-token step of {ACTIVE} resident sequences "
+                             f"with a pool of {large} slots vs one of {small} (their pages + {HEADROOM}), "
+                             "interleaved; the ratio is large / small", {"small_ms": result.b_median}))
     return rows
