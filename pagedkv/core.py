@@ -33,6 +33,7 @@ from .pages.prefix import make_salt
 from .pages.sequence import SeqId, Sequence
 from .sequences import Sequences
 from .counters import Stats
+from .storage.codec import FORMAT_VERSION
 from .storage.pool import PagePool
 from .storage.lmdberrors import lmdb_error
 from .storage.spill import SpillStore
@@ -126,7 +127,7 @@ class StoreCore:
         self.background_host: BackgroundHost = CoreHost(self)  # what the background threads get
 
     def _load(self, writer: bool) -> tuple[dict[bytes, Sequence], dict[str, Any], list[str]]:
-        """The committed state; a writer rewrites a format-1 store's metadata sealed."""
+        """The committed state; a writer brings an older store to the current format first."""
         sealed = self.superblock["format"] >= persist.SEALED_FORMAT
         try:
             loaded = persist.load(self._mgr, writer=writer, sealed=sealed)
@@ -136,6 +137,10 @@ class StoreCore:
                 persist.upgrade(self._mgr, self.superblock)
                 log.info("%s: upgraded from format 1: its metadata was rewritten sealed (format %d), "
                          "in one transaction", self.path, self.superblock["format"])
+            elif writer and self.superblock["format"] < FORMAT_VERSION:
+                was = persist.upgrade_superblock(self._mgr, self.superblock)
+                log.info("%s: upgraded from format %d to %d: its superblock was rewritten, in one "
+                         "transaction", self.path, was, self.superblock["format"])
             return loaded
         except lmdb.Error as exc:
             raise lmdb_error(exc, f"cannot load {self.path}") from None

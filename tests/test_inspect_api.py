@@ -93,7 +93,7 @@ def test_describe_counts_what_the_store_holds(stores: Stores) -> None:
     assert (pages.total, pages.shared, pages.hashed, pages.cached, pages.orphan) == (8, 3, 5, 2, 0)
     assert (pages.resident, pages.spilled) == (4, 4)  # the pool is full; the rest went to LMDB
     assert (info.sequences, info.tokens) == (3, 3 * PAGE + 3 * PAGE + 2 * PAGE + 2)
-    assert (info.pool_pages, info.geometry, info.uuid, info.format_version) == (4, GEOM, store.uuid, 2)
+    assert (info.pool_pages, info.geometry, info.uuid, info.format_version) == (4, GEOM, store.uuid, 3)
     assert info.metadata_checked and info.path == str(store.path)
     assert sum(info.slots.values()) == 4 and info.slots["free"] == 0 and info.slots["pinned"] == 0
     resident = [page for page in store.describe_pages() if page.resident]

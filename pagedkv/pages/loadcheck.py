@@ -21,6 +21,7 @@ from ..storage.metarecord import (DIR_DTYPE, DIR_DTYPE_V1, TAG_DIR, TAG_META, TA
                                   sealed_ok, unseal)
 from ..storage.schema import MAX_TICK, state_problems
 from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, SPILLED
+from .lrulog import BASE_KEY, StampLog, apply_deltas
 from .manager import BlockManager
 from .sequence import Sequence
 
@@ -93,18 +94,22 @@ def load_state(mgr: BlockManager, raw: Any, damage: list[str]) -> dict[str, Any]
     return {} if problems else state
 
 
-def load_stamps(mgr: BlockManager, raw: Any, damage: list[str]) -> np.ndarray | None:
-    body = meta_body(mgr, b"lru", raw, damage)
-    if body is None:
-        return None
-    if len(body) != 8 * mgr.pool_pages:
+def load_stamps(mgr: BlockManager, raw: Any, deltas: list[tuple[bytes, bytes]], span: list[int],
+                damage: list[str]) -> tuple[np.ndarray | None, StampLog]:
+    """The committed LRU stamps (base record ``raw`` with the log's ``deltas`` applied) and the log.
+
+    None when the base is absent or damaged; the base alone when a delta is.
+    """
+    body = meta_body(mgr, BASE_KEY, raw, damage)
+    stamps: np.ndarray | None = None
+    if body is not None and len(body) != 8 * mgr.pool_pages:
         damage.append(f"lru record holds {len(body)} bytes for {mgr.pool_pages} slots")
-        return None
-    stamps = np.frombuffer(body, dtype="<i8")
-    if len(stamps) and (stamps.min() < 0 or stamps.max() > MAX_TICK):
-        damage.append("lru record holds a stamp outside [0, 2**62]")
-        return None
-    return stamps
+    elif body is not None:
+        stamps = np.frombuffer(body, dtype="<i8")
+        if len(stamps) and (stamps.min() < 0 or stamps.max() > MAX_TICK):
+            damage.append("lru record holds a stamp outside [0, 2**62]")
+            stamps = None
+    return apply_deltas(stamps, deltas, span, mgr.pool_pages, mgr.seed if mgr.sealed else None, damage)
 
 
 def load_rows(mgr: BlockManager, keys: list[bytes], values: list[bytes],

@@ -54,8 +54,7 @@ class BlockManager(PageTable):
         self.note_refs(pids)
         self.slot[pids] = slots
         self.slot_pid[slots] = pids
-        self.tick += 1
-        self.stamp[slots] = self.tick
+        self.touch(slots)
         self.fill[pids] = fills
         self.gen[pids] = 1
         self.csum_ok[pids] = False

@@ -19,6 +19,7 @@ from ..errors import FormatVersionError, StoreCorrupt
 from ..geometry import Geometry
 from .entries import GATHER_BYTES, dir_entries, pack_tables
 from .entries import refresh_checksums as _refresh_checksums
+from . import lrulog
 from .loadcheck import (COUNTS, check_counts, check_tokens, load_rows, load_stamps, load_state,
                         load_tables)
 from .manager import BlockManager
@@ -34,18 +35,18 @@ _META_KEYS = {b"superblock", b"state", b"lru", b"counts"}
 _GATHER_BYTES = GATHER_BYTES  # bytes copied per checksum batch (tests make it small)
 
 
-def write_superblock(spill: SpillStore, fields: dict[str, Any]) -> None:
-    """Record the store's identity (at creation, or when a field changes), sealed."""
+def write_superblock(spill: SpillStore, fields: dict[str, Any], what: str = "create") -> None:
+    """Record the store's identity (at creation, or when a field changes), sealed; one transaction."""
     blob = msgpack.packb(fields)
     if fields["format"] >= SEALED_FORMAT:
         blob = seal(TAG_META, b"superblock", blob, SUPERBLOCK_SEED)
-    spill.write(lambda txn: spill.put(txn, spill.meta, b"superblock", blob), "create")
+    spill.write(lambda txn: spill.put(txn, spill.meta, b"superblock", blob), what)
 
 
-def rewrite_superblock(spill: SpillStore, superblock: dict[str, Any]) -> None:
-    """Record a changed superblock field (the model fingerprint, when adopting another)."""
+def rewrite_superblock(spill: SpillStore, superblock: dict[str, Any], what: str = "create") -> None:
+    """Record a changed superblock field (the model fingerprint when adopting another, the format)."""
     fields = dict(superblock, geometry=superblock["geometry"].to_dict())
-    write_superblock(spill, fields)
+    write_superblock(spill, fields, what)
 
 
 def read_superblock(spill: SpillStore) -> dict[str, Any]:
@@ -119,8 +120,8 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
     seq_puts = list(zip(seq_keys, seal_many(TAG_SEQS, seq_keys, pack_tables(mgr, list(dirty.values())),
                                             mgr.seed)))
     seq_deletes = [key for key in dropped if key not in dirty]
-    meta_puts = [(b"lru", seal(TAG_META, b"lru", mgr.stamp.astype("<i8").tobytes(), mgr.seed)),
-                 (b"state", seal(TAG_META, b"state", msgpack.packb(state), mgr.seed))]
+    lru = lrulog.plan(mgr.stamp_log, mgr.stamped.rows(), mgr.stamp, mgr.seed, state)
+    meta_puts = lru.puts + [(b"state", seal(TAG_META, b"state", msgpack.packb(state), mgr.seed))]
     if durable:
         mgr.pool_file.finish_flush()  # write-ahead: the slots are durable before the transaction
     faults.crashpoint("commit.after_flush")
@@ -141,9 +142,12 @@ def commit(mgr: BlockManager, dirty: dict[bytes, Sequence], dropped: set[bytes],
             txn.delete(key, db=spill.pages)
         for key in seq_deletes:
             txn.delete(key, db=spill.seqs)
+        for key in lru.deletes:
+            txn.delete(key, db=spill.meta)
 
     spill.write(body, "commit")
     faults.crashpoint("commit.after_commit")
+    mgr.settle_stamps(lru.log)
     mgr.settle_commit(noted, pids, where, zombies, gone)
     dirty.clear()
     dropped.clear()
@@ -169,11 +173,12 @@ def load(mgr: BlockManager, writer: bool,
     damage: list[str] = []
     with spill.begin_read() as txn:
         state_raw = txn.get(b"state", db=spill.meta)
-        stamps_raw = txn.get(b"lru", db=spill.meta)
+        stamps_raw = txn.get(lrulog.BASE_KEY, db=spill.meta)
+        deltas = lrulog.read_deltas(txn, spill.meta)
         counts_raw = txn.get(b"counts", db=spill.meta)
         counts_raw = bytes(counts_raw) if counts_raw is not None else None
         state = load_state(mgr, state_raw, damage)
-        stamps = load_stamps(mgr, stamps_raw, damage)
+        stamps, stamp_log = load_stamps(mgr, stamps_raw, deltas, state.get("lru_log", [0, 0]), damage)
         keys, values = [], []
         for key, value in spill.iterate(txn, spill.dir):
             keys.append(bytes(key))
@@ -186,8 +191,9 @@ def load(mgr: BlockManager, writer: bool,
         for key, value in spill.iterate(txn, spill.tokens):
             token_keys.append(bytes(key))
             token_values.append(bytes(value))
-    if meta_keys - _META_KEYS:
-        damage.append(f"meta holds unknown records {sorted(meta_keys - _META_KEYS)}")
+    unknown = {key for key in meta_keys - _META_KEYS if not lrulog.is_delta_key(key)}
+    if unknown:
+        damage.append(f"meta holds unknown records {sorted(unknown)}")
     if (keys or tables) and not {b"state", b"lru"} <= meta_keys:
         damage.append("the state or lru record of a committed store is missing")
     check_counts(mgr, counts_raw, (len(keys), len(tables), len(token_keys)), damage)
@@ -200,6 +206,7 @@ def load(mgr: BlockManager, writer: bool,
     next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if len(uids) else 1, highest + 1)
     mgr.load_committed(uids, rows, [record_sizes.get(key, 0) for key in uid_keys(uids)],
                        sum(record_sizes.values()), stamps, next_uid, int(state.get("tick", 0)))
+    mgr.settle_stamps(stamp_log)
     count = len(uids)
     seqs = load_tables(mgr, tables, uids, damage)
     mgr.set_references(np.concatenate([seq.pids[:seq.npages] for seq in seqs.values()])
@@ -275,3 +282,19 @@ def upgrade(mgr: BlockManager, superblock: dict[str, Any]) -> None:
     superblock["format"] = FORMAT_VERSION
 
 
+
+
+def upgrade_superblock(mgr: BlockManager, superblock: dict[str, Any]) -> int:
+    """Rewrite a sealed store's superblock as the current format, in one transaction; the format it had.
+
+    Format 2 differs from 3 only in what its state record may name (format 3
+    may add a log of LRU deltas, ``lrulog``), so its records stay as they are.
+    """
+    old = int(superblock["format"])
+    superblock["format"] = FORMAT_VERSION
+    try:
+        rewrite_superblock(mgr.spill, superblock, "upgrade")
+    except BaseException:
+        superblock["format"] = old
+        raise
+    return old

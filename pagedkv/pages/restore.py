@@ -38,8 +38,7 @@ def resident_slot(mgr: PageTable, pid: int) -> int:
         if mgr.pins.item(slot) and not mgr.has_room(1):
             raise PoolExhausted(_ALL_PINNED)
         mgr.stats.counts["resident_hits"] += 1
-        mgr.tick += 1  # touch: the slot was used now
-        mgr.stamp[slot] = mgr.tick
+        mgr.stamp_one(slot)  # the slot was used now
         mgr.verify(pid)
     else:
         free = mgr.free_slots

@@ -29,6 +29,7 @@ from ..storage.metarecord import TAG_TOKENS, dir_value, unseal
 from ..storage.pool import PagePool
 from ..storage.spill import SpillStore, uid_key
 from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURRENT, REC_NONE, REC_STALE, Directory
+from .lrulog import StampLog
 from .pending import PendingRows
 from .prefix import PrefixIndex
 from .tokens import PageTokens
@@ -62,8 +63,11 @@ class PageTable(Directory):
         # committed one (slot_cpid) holds it.
         self.slot_pid = np.full(self.pool_pages, -1, np.int64)  # the page resident there now (-1: none)
         self.slot_cpid = np.full(self.pool_pages, -1, np.int64)  # the page whose committed bytes it holds
-        self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed as "lru")
+        self.stamp = np.zeros(self.pool_pages, np.int64)  # tick of its last use (LRU; committed by lrulog)
         self.oldest = OldestSlots()  # eviction's view of the stamps: the least recently used slots, in order
+        # Slots stamped since the last commit, which writes their stamps as one delta of the log.
+        self.stamped = PendingRows(lambda rows: rows)
+        self.stamp_log = StampLog()  # the committed base and deltas
         self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
         # Every pin held, counted once per reference (the sum of pins), kept by pin() and unpin():
         # pool_pages - pin_refs slots at least are unpinned, so has_room rarely scans pins.
@@ -110,8 +114,7 @@ class PageTable(Directory):
         """
         self.slot[pid] = slot
         self.slot_pid[slot] = pid
-        self.tick = tick = self.tick + 1
-        self.stamp[slot] = tick
+        self.stamp_one(slot)
         self.note_changed(pid)
         self.dirty.add(slot)
 
@@ -154,6 +157,18 @@ class PageTable(Directory):
         """Mark ``slots`` as used now (one tick for the whole call)."""
         self.tick += 1
         self.stamp[slots] = self.tick
+        self.stamped.add_many(slots)
+
+    def stamp_one(self, slot: int) -> None:
+        """Mark one slot as used now (``touch`` without an array)."""
+        self.tick = tick = self.tick + 1
+        self.stamp[slot] = tick
+        self.stamped.add(slot)
+
+    def settle_stamps(self, log: StampLog) -> None:
+        """A commit made ``log`` the committed stamp log: nothing is stamped since."""
+        self.stamp_log = log
+        self.stamped.clear()
 
     def keep_pins(self, slots: np.ndarray, owner: object) -> None:
         """Leave ``slots`` (each pinned once per entry) pinned after their step, for ``owner``'s next step.

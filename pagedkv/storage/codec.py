@@ -20,7 +20,9 @@ from ..errors import PageCorrupt
 from ..geometry import Geometry
 from .codecs import CODECS
 
-FORMAT_VERSION = 2  # the store's: format 2 seals every metadata record with a checksum
+# The store's: format 2 seals every metadata record with a checksum, format 3 commits the LRU
+# stamps as a base record and a log of deltas (pages/lrulog.py).
+FORMAT_VERSION = 3
 RECORD_VERSION = 1  # the spilled-page record's header, unchanged since format 1
 
 _LEN = struct.Struct("<I")

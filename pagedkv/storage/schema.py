@@ -38,6 +38,9 @@ def state_problems(state: Any) -> list[str]:
             problems.append(f"state counter {key} {value!r} is not an int >= 0")
         elif key == "time" and not (type(value) in (int, float) and math.isfinite(value) and value >= 0):
             problems.append(f"state time {value!r} is not a finite number >= 0")
+        elif key == "lru_log" and not (type(value) is list and len(value) == 2
+                                       and all(_int_in(end, 0, MAX_UID) for end in value) and value[0] <= value[1]):
+            problems.append(f"state lru_log {value!r} is not a pair of ints 0 <= first <= next < 2**63")
         elif key == "durability" and value not in DURABILITY:
             problems.append(f"state durability {value!r} is not one of {DURABILITY}")
     return problems
