@@ -25,6 +25,7 @@ from click.testing import CliRunner
 import pagedkv
 from pagedkv import PageCorrupt, StoreCorrupt
 from pagedkv.cli.commands import cli
+from pagedkv.pages import lrulog
 from pagedkv.storage.metarecord import TAG_META, seal
 from pagedkv.demo.kvgen import check_read
 
@@ -189,6 +190,9 @@ HOSTILE_STATE: list[tuple[str, Callable[[dict], dict]]] = [
     ("time NaN", lambda s: {**s, "time": float("nan")}),
     ("counter negative", lambda s: {**s, "evictions": -5}),
     ("a list, not a map", lambda s: [1, 2]),
+    ("lru_log a str", lambda s: {**s, "lru_log": "0-3"}),
+    ("lru_log reversed", lambda s: {**s, "lru_log": [5, 1]}),
+    ("lru_log of three ends", lambda s: {**s, "lru_log": [0, 1, 2]}),
 ]
 
 
@@ -212,6 +216,57 @@ def test_huge_lru_stamps_are_damage(built) -> None:
     stamps = np.full(slots, 2**63 - 1, "<i8").tobytes()
     rewrite(path, "meta", b"lru", seal(TAG_META, b"lru", stamps, seed))
     assert any("lru" in line for line in assert_refused_and_reported(path, model))
+
+
+@pytest.fixture
+def logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Model]:
+    """``built``, with its LRU stamps committed as a base and a log of several deltas."""
+    monkeypatch.setattr(lrulog, "MAX_LOG_SHARE", 1e9)  # no base rewrite for the log's size
+    path = tmp_path / "store"
+    model = build(path, get_seed("metadata"))
+    assert len(deltas(path)) >= 3
+    return path, model
+
+
+def deltas(path: Path) -> list[tuple[bytes, bytes]]:
+    """(key, value) of every delta of the LRU log, oldest first."""
+    return [(key, value) for db, key, value in records(path) if db == "meta" and lrulog.is_delta_key(key)]
+
+
+def sealed_delta(path: Path, key: bytes, pairs: list[tuple[int, int]]) -> bytes:
+    """A delta of (slot, stamp) ``pairs`` under ``key``, sealed as the store's writer would."""
+    with pagedkv.open(path, readonly=True) as store:
+        seed = store._mgr.seed
+    return seal(TAG_META, key, np.array(pairs, lrulog.DELTA_DTYPE).tobytes(), seed)
+
+
+LOG_DAMAGE: list[tuple[str, Callable[[Path], None]]] = [
+    ("a delta missing", lambda p: rewrite(p, "meta", deltas(p)[1][0], None, deltas(p)[1][0])),  # deleted
+    ("an extra delta", lambda p: rewrite(p, "meta", lrulog.delta_key(99), deltas(p)[-1][1])),
+    ("an extra delta sealed", lambda p: rewrite(p, "meta", lrulog.delta_key(99),
+                                                sealed_delta(p, lrulog.delta_key(99), [(0, 1)]))),
+    ("a flipped bit", lambda p: rewrite(p, "meta", deltas(p)[1][0], flip(deltas(p)[1][1], 13))),
+    ("a slot out of range", lambda p: rewrite(p, "meta", deltas(p)[1][0],
+                                             sealed_delta(p, deltas(p)[1][0], [(0, 1), (8, 2)]))),
+    ("slots out of order", lambda p: rewrite(p, "meta", deltas(p)[1][0],
+                                            sealed_delta(p, deltas(p)[1][0], [(3, 1), (2, 2)]))),
+    ("a stamp out of range", lambda p: rewrite(p, "meta", deltas(p)[1][0],
+                                              sealed_delta(p, deltas(p)[1][0], [(0, 2**63 - 1)]))),
+    ("an empty delta", lambda p: rewrite(p, "meta", deltas(p)[1][0], sealed_delta(p, deltas(p)[1][0], []))),
+]
+
+
+@pytest.mark.parametrize("name,damage", LOG_DAMAGE, ids=[n for n, _ in LOG_DAMAGE])
+def test_a_damaged_lru_log_is_damage(logged, name: str, damage: Callable[[Path], None]) -> None:
+    """A delta missing, extra, flipped or well-sealed nonsense: a writer refuses, a reader reports it
+    and keeps the base record's stamps."""
+    path, model = logged
+    (_, _, base), = [r for r in records(path) if r[0] == "meta" and r[1] == b"lru"]
+    damage(path)
+    problems = assert_refused_and_reported(path, model)
+    assert any("lru" in line for line in problems), problems
+    with pagedkv.open(path, readonly=True) as store:
+        assert np.array_equal(store._mgr.stamp, np.frombuffer(base[:-8], "<i8"))
 
 
 @pytest.mark.parametrize("field,value", [("salt", 12), ("salt", "text"), ("model", 5), ("model", b"x"),

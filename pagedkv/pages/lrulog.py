@@ -13,10 +13,11 @@ Format 3 keeps the slots' stamps (``PageTable.stamp``) in the ``meta`` database 
 The committed stamps are the base with the deltas applied in order. Each commit
 writes the stamps written since the last one (``PageTable.stamped``) as one new
 delta, unless the log would then hold more than ``MAX_DELTAS`` deltas or as many
-bytes as the base: then it writes the base again and deletes every delta. A
-commit so costs what it stamped, plus the base at most once per ``MAX_DELTAS``
-commits or once the log has outgrown it; and it is still one transaction with
-the rest of the commit, so a reopen sees exactly the last commit's stamps.
+bytes as the base (times ``MAX_LOG_SHARE``): then it writes the base again and
+deletes every delta. A commit so costs what it stamped, plus the base at most
+once per ``MAX_DELTAS`` commits or once the log has outgrown it; and it is still
+one transaction with the rest of the commit, so a reopen sees exactly the last
+commit's stamps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..storage.schema import MAX_TICK
 BASE_KEY = b"lru"
 DELTA_PREFIX = b"lru+"
 MAX_DELTAS = 1024  # deltas the log may hold before the base is rewritten (tests make it small)
+MAX_LOG_SHARE = 1.0  # the log's bytes, as a share of the base's, at which the base is rewritten instead
 DELTA_DTYPE = np.dtype([("slot", "<u8"), ("stamp", "<i8")])
 _KEY_LEN = len(DELTA_PREFIX) + 8
 
@@ -85,7 +87,8 @@ def plan(log: StampLog, slots: np.ndarray, stamps: np.ndarray, seed: int, state:
     writes = StampWrites(log=StampLog(log.first, log.next, log.nbytes, log.based))
     if len(slots) or not log.based:
         size = DELTA_DTYPE.itemsize * len(slots) + TRAILER
-        if not log.based or log.next - log.first + 1 > MAX_DELTAS or log.nbytes + size >= base_bytes(len(stamps)):
+        if not log.based or log.next - log.first + 1 > MAX_DELTAS \
+                or log.nbytes + size >= MAX_LOG_SHARE * base_bytes(len(stamps)):
             writes.puts.append((BASE_KEY, seal(TAG_META, BASE_KEY, stamps.astype("<i8").tobytes(), seed)))
             writes.deletes = [delta_key(number) for number in range(log.first, log.next)]
             writes.log = StampLog(log.next, log.next, 0, True)
