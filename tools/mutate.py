@@ -68,6 +68,7 @@ import numpy as np
 
 import pagedkv
 from pagedkv import Geometry, PagedKVError
+from pagedkv.pages import lrulog
 from pagedkv.storage.codecs import CODECS, LOSSY
 
 from tests.kits import files
@@ -432,7 +433,9 @@ def _other_key(rng: random.Random, base: Base, db: str, key: bytes) -> bytes:
     taken = base.values[db]
     for _ in range(100):
         if db == "meta":
-            new = rng.choice((b"state", b"lru", b"superblock", b"junk", b"states"))
+            # A delta of the LRU log past its end, or one a base rewrite deleted, is damage too.
+            new = rng.choice((b"state", b"lru", b"superblock", b"junk", b"states",
+                              lrulog.delta_key(rng.randrange(64)), lrulog.DELTA_PREFIX))
         elif db == "seqs":
             new = msgpack.packb(rng.choice(("zz", "a2", "A", 7, 0, "b" * 30)))
         else:
