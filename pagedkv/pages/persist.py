@@ -282,8 +282,6 @@ def upgrade(mgr: BlockManager, superblock: dict[str, Any]) -> None:
     superblock["format"] = FORMAT_VERSION
 
 
-
-
 def upgrade_superblock(mgr: BlockManager, superblock: dict[str, Any]) -> int:
     """Rewrite a sealed store's superblock as the current format, in one transaction; the format it had.
 
