@@ -94,35 +94,43 @@ def test_every_eviction_of_a_store_takes_the_full_scans_victims(tmp_path: Path, 
 
     monkeypatch.setattr(evict, "_choose", compared)
     path = str(tmp_path / "s")
-    store = pagedkv.open(path, GEOM, pool_pages=24, evict_batch=4)
+    store = pagedkv.open(path, GEOM, pool_pages=16, evict_batch=4)
     try:
-        live: list[int] = []
-        next_id = 0
-        for _ in range(300):
+        live = list(range(12))  # 36 pages for 16 slots: most steps and reads restore, and evict
+        for seq in live:
+            store.create(seq)
+            with store.step({seq: 9}):
+                pass
+        next_id = len(live)
+        for _ in range(500):
             action = rng.random()
             if action < 0.15 or not live:
                 store.create(next_id)
                 live.append(next_id)
                 next_id += 1
-            elif action < 0.65:  # sequences of at most 7 pages, batches of at most 3: they fit in 24 slots
-                short = [seq for seq in live if store.length(seq) <= 22]
+            elif action < 0.7:  # sequences of at most 4 pages, batches of at most 3: they fit in 16 slots
+                short = [seq for seq in live if store.length(seq) <= 10]
                 if not short:
                     store.drop(live.pop(0))
                     continue
                 batch = rng.sample(short, min(len(short), rng.randint(1, 3)))
                 with store.step({seq: rng.randint(1, 6) for seq in batch}):
                     pass
-            elif action < 0.75:
+            elif action < 0.78:
                 store.read(rng.choice(live))
-            elif action < 0.85:
+            elif action < 0.85 and len(live) > 8:  # at least 8 sequences of 3 pages stay: 24 for 16 slots
                 store.drop(live.pop(rng.randrange(len(live))))
             elif action < 0.95:
                 store.commit()
             else:
                 store.commit()
                 store.close()
-                store = pagedkv.open(path, GEOM, pool_pages=24, evict_batch=4)
+                store = pagedkv.open(path, GEOM, pool_pages=16, evict_batch=4)
             assert store.check() == [], f"seed {seed}"
+        for _ in range(3):  # every sequence read back, three times: restores that keep evicting
+            for seq in live:
+                store.read(seq)
+        assert store.check() == [], f"seed {seed}"
     finally:
         store.close()
-    assert checked[0] > 20, f"seed {seed}: only {checked[0]} evictions"
+    assert checked[0] > 15, f"seed {seed}: only {checked[0]} evictions"
