@@ -132,6 +132,10 @@ def test_b7_same_records_and_growth_rows(rows: list[dict[str, Any]]) -> None:
         assert row["target"] == "<= 1.2x"
         assert row["params"]["pages_small"] == 10_000 and row["params"]["pages_large"] == 100_000
         assert row["metrics"]["spilled_large"] > 0.9 * 100_000 - row["params"]["pool_pages"]
+        (pool,) = [row for row in rows if row["scenario"] == "B7"
+                   and row["name"].startswith(f"commit after decode step {mode}, 100000-slot vs ")]
+        assert pool["target"] == "<= 1.2x" and pool["params"]["pool_pages_large"] == 100_000
+        assert pool["params"]["pool_pages_small"] < 100_000 and pool["metrics"]["small_ms"] == pool["reference"]
 
 
 def test_hashing_reference_chains_blocks_over_their_ids() -> None:
