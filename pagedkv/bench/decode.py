@@ -22,7 +22,7 @@ from ..pages.directory import HASHED
 from ..pages.sequence import SeqId
 from ..store import KVStore
 from .ref import RefBlockManager, RefHashingBlockManager
-from .util import Ctx, Target, geom_params, interleave, make_row, timed
+from .util import Ctx, Target, close_all, geom_params, interleave, make_row, timed
 from .meta import META_GEOM, b2_step
 
 VOCAB = 32_000
@@ -236,10 +236,7 @@ def b2_fixed_growth(ctx: Ctx) -> list[dict[str, Any]]:
         lengths = {size: store.length(0) for size, store in stores.items()}
         assert len(set(lengths.values())) == 1, f"B2 growth: the two stores took different steps {lengths}"
     finally:
-        for store in stores.values():
-            store.close()
-        for path in paths.values():
-            shutil.rmtree(path, ignore_errors=True)
+        close_all(stores.values(), *paths.values())
     params = {**geom_params(META_GEOM), "sequences": 1, "new_tokens_per_step": 1, "steps": steps,
               "pairs": pairs, "prompt_tokens": prompt, "small_pool_pages": small_slots,
               "large_pool_pages": large_slots}

@@ -17,7 +17,7 @@ from .. import open as open_store
 from ..pages.sequence import SeqId
 from ..store import KVStore
 from .meta import META_GEOM, b7_commit, decode_commit
-from .util import Ctx, Target, geom_params, interleave, make_row
+from .util import Ctx, Target, close_all, geom_params, interleave, make_row
 
 ACTIVE = 256  # sequences in the step, as in B7's commit rows
 HEADROOM = 1024  # pool slots beyond the active pages: the steps' new pages fit without evicting
@@ -161,9 +161,7 @@ def b7_pool_growth(ctx: Ctx) -> list[dict[str, Any]]:
             lens = [store.length(0) for store in stores.values()]
             assert lens[0] == lens[1], "B7 pool growth: the two stores took different steps"
         finally:
-            for store in stores.values():
-                store.close()
-            shutil.rmtree(base, ignore_errors=True)
+            close_all(stores.values(), base)
         params = {**geom_params(META_GEOM), "durability": mode, "sequences": ACTIVE, "pairs": pairs,
                   "pool_pages_small": small, "pool_pages_large": large}
         rows.append(make_row("B7", f"commit after decode step {mode}, {large}-slot vs {small}-slot pool",

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from typing import Any
 
 
-from .util import Ctx, Target, geom_params, interleave, make_row
+from .util import Ctx, Target, close_all, geom_params, interleave, make_row
 from ..geometry import Geometry
 from ..opening import open_store
 from ..store import KVStore
@@ -71,9 +70,7 @@ def b9_prefetch(ctx: Ctx) -> list[dict[str, Any]]:
         result = interleave(lambda: loop(True), lambda: loop(False), pairs)
         with_stats, without_stats = stores[True].stats(), stores[False].stats()
     finally:
-        for store in stores.values():
-            store.close()
-        shutil.rmtree(base, ignore_errors=True)
+        close_all(stores.values(), base)
     params = {**geom_params(geom), "sequences": nseq, "tokens": tokens, "pool_pages": pool_pages,
               "rounds": rounds, "pairs": pairs}
     metrics = {"prefetch_restores": with_stats["prefetch_restores"],

@@ -13,7 +13,7 @@ import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import lmdb
 import numpy as np
@@ -138,6 +138,13 @@ def timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def close_all(stores: Iterable[Any], *paths: str) -> None:
+    """Close every store of a scenario, then ``remove`` its paths."""
+    for store in stores:
+        store.close()
+    remove(*paths)
 
 
 def remove(*paths: str) -> None:
