@@ -31,6 +31,7 @@ from ..storage.spill import SpillStore, uid_key
 from .directory import CODEC_SHIFT, HAS_TOKENS, HASHED, NOWHERE, ONE, REC_CURRENT, REC_NONE, REC_STALE, Directory
 from .lrulog import StampLog
 from .pending import PendingRows
+from .pins import SlotPins
 from .prefix import PrefixIndex
 from .tokens import PageTokens
 from .victims import OldestSlots
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PageTable"]
 
 
-class PageTable(Directory):
+class PageTable(Directory, SlotPins):
     """Every page's state: directory columns, pool slots, LRU stamps, pins and spill bookkeeping."""
 
     def __init__(self, geom: Geometry, pool: PagePool, spill: SpillStore, seed: int,
@@ -68,14 +69,7 @@ class PageTable(Directory):
         # Slots stamped since the last commit, which writes their stamps as one delta of the log.
         self.stamped = PendingRows(lambda rows: rows)
         self.stamp_log = StampLog()  # the committed base and deltas
-        self.pins = np.zeros(self.pool_pages, np.int32)  # active steps and reads using it: not evictable
-        # Every pin held, counted once per reference (the sum of pins), kept by pin() and unpin():
-        # pool_pages - pin_refs slots at least are unpinned, so has_room rarely scans pins.
-        self.pin_refs = 0
-        # Pins the last step of a batch left in place for its next step (keep_pins): the
-        # next operation of any other kind gives them back first (release_kept).
-        self.kept = np.zeros(0, np.int32)
-        self.kept_for: object | None = None  # the batch they were kept for
+        self._init_pins(self.pool_pages)
         self.free_slots: list[int] = list(range(self.pool_pages - 1, -1, -1))  # taken from the end
         # Slots written since the last commit (what a durable commit flushes), noted as they are
         # written: a commit then costs the slots it flushes, not the pool.
@@ -169,60 +163,6 @@ class PageTable(Directory):
         """A commit made ``log`` the committed stamp log: nothing is stamped since."""
         self.stamp_log = log
         self.stamped.clear()
-
-    def keep_pins(self, slots: np.ndarray, owner: object) -> None:
-        """Leave ``slots`` (each pinned once per entry) pinned after their step, for ``owner``'s next step.
-
-        A batch's next decode step pins the same slots again, and unpinning and
-        pinning them all was a tenth of such a step.
-        """
-        self.release_kept()
-        self.kept, self.kept_for = slots, owner
-
-    def release_kept(self) -> None:
-        """Unpin what ``keep_pins`` left pinned (nothing if nothing is kept)."""
-        if len(self.kept):
-            self.unpin(self.kept)
-            self.kept = self.kept[:0]
-        self.kept_for = None
-
-    def pin(self, slots: np.ndarray | list[int]) -> None:
-        """Pin each of ``slots`` once per entry (a slot may repeat: pages shared by a batch)."""
-        np.add.at(self.pins, slots, ONE)
-        self.pin_refs += len(slots)
-
-    def unpin(self, slots: np.ndarray | list[int]) -> None:
-        """Give back pins ``pin`` took (the same entries)."""
-        np.subtract.at(self.pins, slots, ONE)
-        self.pin_refs -= len(slots)
-
-    def pin_slot(self, slot: int) -> None:
-        """``pin`` for one slot."""
-        self.pins[slot] += 1
-        self.pin_refs += 1
-
-    def unpin_slot(self, slot: int) -> None:
-        """``unpin`` for one slot."""
-        self.pins[slot] -= 1
-        self.pin_refs -= 1
-
-    def available(self) -> int:
-        """How many slots are free or could be freed now (not pinned): a scan of every slot's pins."""
-        return int(self.pool_pages - np.count_nonzero(self.pins))
-
-    def has_room(self, count: int) -> bool:
-        """Whether ``count`` slots are unpinned (``available() >= count``), without a scan where it can.
-
-        ``pin_refs`` counts a slot pinned twice twice, so at least ``pool_pages -
-        pin_refs`` slots are unpinned: only when the pins held come near the pool's
-        size (a step then costs that much anyway) are the slots counted.
-        """
-        return count <= self.pool_pages - self.pin_refs or count <= self.available()
-
-    def unpinned_at_least(self) -> int:
-        """A count of unpinned slots that is exact or low (``available()`` where the cheap bound is 0)."""
-        bound = self.pool_pages - self.pin_refs
-        return bound if bound > 0 else self.available()
 
     def droppable(self) -> np.ndarray:
         """Cache-only pages that no sequence, committed or live, references and no step pins."""
