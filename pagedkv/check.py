@@ -117,7 +117,7 @@ def _check_slots(store: StoreCore, live: np.ndarray) -> list[Problem]:
     expected_free = set(np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid < 0)).tolist())
     if set(free) != expected_free:
         problems.append(Problem("free_list", f"free list has {len(free)} slots, {len(expected_free)} are free"))
-    pending_slots = np.flatnonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0))
+    pending_slots = np.flatnonzero(mgr.pending_at(slice(None)))
     pending = len(pending_slots)
     if not np.isin(pending_slots, mgr.pending_slots.rows()).all():
         problems.append(Problem("slot_count", "a slot holding only committed bytes is not noted for eviction"))

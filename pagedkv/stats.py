@@ -105,7 +105,7 @@ def store_stats(store: Any) -> StoreStats:
     out.update(
         pool_pages=store.pool_pages, pool_used=int(np.count_nonzero(mgr.slot_pid >= 0)),
         pool_free=len(mgr.free_slots),
-        pool_pending=int(np.count_nonzero((mgr.slot_pid < 0) & (mgr.slot_cpid >= 0))),
+        pool_pending=int(np.count_nonzero(mgr.pending_at(slice(None)))),
         pool_pinned=int(np.count_nonzero(mgr.pins)),
         spilled_pages=int(np.count_nonzero(mgr.live & (mgr.slot < 0))),
         pages=int(np.count_nonzero(mgr.live)), sequences=len(store._seqs),

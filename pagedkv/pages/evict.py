@@ -136,8 +136,7 @@ def _evict(mgr: PageTable, count: int, strict: bool) -> int:
 def _choose(mgr: PageTable, count: int) -> np.ndarray:
     """Slots to free: those holding only a dropped page's committed bytes, then LRU pages."""
     noted = mgr.pending_slots.rows()
-    reclaim = noted[(mgr.slot_pid[noted] < 0) & (mgr.slot_cpid[noted] >= 0)
-                    & ((mgr.pins[noted] | mgr.bg_pins[noted]) == 0)][:count]
+    reclaim = noted[mgr.pending_at(noted) & ((mgr.pins[noted] | mgr.bg_pins[noted]) == 0)][:count]
     live = mgr.oldest.take(mgr.slot_pid, mgr.stamp, mgr.pins, mgr.bg_pins, count - len(reclaim))
     if not len(reclaim):
         return live
@@ -272,7 +271,7 @@ def _apply_mine(mgr: PageTable, landed: Sequence[Spilled], fields: list[tuple[An
     mgr.pstamp[leaving] = mgr.stamp[emptied]
     mgr.slot[leaving] = -1
     mgr.slot_pid[emptied] = -1
-    mgr.pending_slots.add_many(emptied)  # any that still holds committed bytes is pending
+    mgr.pending_slots.add_many(emptied[mgr.slot_cpid[emptied] >= 0])  # still holding committed bytes
     return len(leaving)
 
 

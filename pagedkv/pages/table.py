@@ -76,7 +76,7 @@ class PageTable(Directory, SlotPins):
         self.dirty = PendingRows(lambda rows: rows)
         # Slots that hold only a freed page's committed bytes until a commit forgets it (the
         # first victims), noted as pages are freed: eviction then need not scan the pool for them.
-        self.pending_slots = PendingRows(lambda rows: rows[(self.slot_pid[rows] < 0) & (self.slot_cpid[rows] >= 0)])
+        self.pending_slots = PendingRows(lambda rows: rows[self.pending_at(rows)])
         # Rows the next commit visits, so that it costs what changed rather than the directory:
         # every row set in chg is noted in `changed`, every row whose ref moved in `refs_moved`.
         self.changed = PendingRows(lambda rows: rows[self.chg[rows]])
@@ -163,6 +163,11 @@ class PageTable(Directory, SlotPins):
         """A commit made ``log`` the committed stamp log: nothing is stamped since."""
         self.stamp_log = log
         self.stamped.clear()
+
+    def pending_at(self, slots: np.ndarray | slice) -> np.ndarray:
+        """For each of ``slots``: whether it holds only a freed page's committed bytes (until a commit)."""
+        pending: np.ndarray = (self.slot_pid[slots] < 0) & (self.slot_cpid[slots] >= 0)
+        return pending
 
     def droppable(self) -> np.ndarray:
         """Cache-only pages that no sequence, committed or live, references and no step pins."""

@@ -50,10 +50,15 @@ class OldestSlots:
         if count <= 0:
             return _EMPTY
         picked: list[np.ndarray] = []
-        npicked, scanned, first = 0, False, True
+        seen: list[np.ndarray] = []  # the kept slots looked at and still valid, in order: held back
+        seen_stamps: list[np.ndarray] = []
+        tail, tail_stamps = _EMPTY, _EMPTY  # held-back slots not looked at (the picks came first)
+        npicked, scanned, first, grow = 0, False, True, 1
         while True:
             need = count - npicked
-            window = min(len(self._slots) - self._at, max(4 * need, 256))
+            # Windows double: a run of pinned slots ahead costs its length, not its square.
+            window = min(len(self._slots) - self._at, max(4 * need, 256) * grow)
+            grow *= 2
             # The held-back slots come first, and once a call: pins do not change within it.
             head, head_stamps = (self._back, self._back_stamps) if first else (_EMPTY, _EMPTY)
             slots = np.concatenate([head, self._slots[self._at:self._at + window]])
@@ -63,15 +68,11 @@ class OldestSlots:
             picks = np.flatnonzero(idle)[:need]
             # Looked at: everything up to the last pick (all of it when the picks fall short).
             end = int(picks[-1]) + 1 if len(picks) == need else len(slots)
-            seen, seen_stamps = slots[:end][valid[:end]], then[:end][valid[:end]]
-            if first:
-                self._back = np.concatenate([seen, self._back[end:]])
-                self._back_stamps = np.concatenate([seen_stamps, self._back_stamps[end:]])
-                self._at += max(0, end - len(head))
-            else:
-                self._back = np.concatenate([self._back, seen])
-                self._back_stamps = np.concatenate([self._back_stamps, seen_stamps])
-                self._at += end
+            seen.append(slots[:end][valid[:end]])
+            seen_stamps.append(then[:end][valid[:end]])
+            if first and end < len(head):
+                tail, tail_stamps = head[end:], head_stamps[end:]
+            self._at += max(0, end - len(head))
             first = False
             picked.append(slots[picks])
             npicked += len(picks)
@@ -84,7 +85,9 @@ class OldestSlots:
             # Scan again, keeping at least ``count`` unpinned slots, and start over from it:
             # the slots picked so far are among its oldest.
             self._rebuild(slot_pid, stamp, pins, bg_pins, count)
-            picked, npicked, scanned, first = [], 0, True, True
+            picked, seen, seen_stamps, npicked, scanned, first, grow = [], [], [], 0, True, True, 1
+        self._back = np.concatenate([*seen, tail])
+        self._back_stamps = np.concatenate([*seen_stamps, tail_stamps])
         return np.concatenate(picked)
 
     def _rebuild(self, slot_pid: np.ndarray, stamp: np.ndarray, pins: np.ndarray, bg_pins: np.ndarray,
