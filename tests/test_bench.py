@@ -112,6 +112,13 @@ def test_b2_token_id_rows_hash_every_filled_page(rows: list[dict[str, Any]]) -> 
 
 
 @pytest.mark.slow
+def test_b4_eviction_growth_row(rows: list[dict[str, Any]]) -> None:
+    row = _named(rows, "B4", "eviction per page, 100000 vs 10000 slots")
+    assert row["target"] == "<= 1.2x" and row["unit"] == "us/page" and row["metrics"]["small_us"] == row["reference"]
+    assert row["params"]["large_pool_pages"] == 100_000 and row["params"]["evict_batch"] == 64
+
+
+@pytest.mark.slow
 def test_b5_spilled_read_row_reads_from_spill(rows: list[dict[str, Any]]) -> None:
     row = _named(rows, "B5", "one-page read() of a spilled page")
     params, metrics = row["params"], row["metrics"]

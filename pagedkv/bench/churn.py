@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from .. import open as open_store
+from .evictgrowth import b4_evict_growth
 from .ref import Backend, FileBackend, LmdbBackend, SpillSim
 from .util import (GIB, INFO, Ctx, Pairs, Target, as_pages, geom_params, kv_block, make_row, open_lmdb,
                    remove, timed)
@@ -170,7 +171,7 @@ def b4_churn(ctx: Ctx) -> list[dict[str, Any]]:
             rows += _churn(ctx, mode, factor, naive=factor == 4)
     for mode in ("durable",) if ctx.quick else ("durable", "nosync"):
         rows += _codec_churn(ctx, mode, 4)
-    return rows
+    return rows + b4_evict_growth(ctx)
 
 
 def _churn(ctx: Ctx, mode: str, factor: int, naive: bool) -> list[dict[str, Any]]:
