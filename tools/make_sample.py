@@ -1,7 +1,7 @@
-"""Build ``data/sample-v2.kv``: the golden store of format version 2 (sealed metadata).
+"""Build ``data/sample-v3.kv``: the golden store of format version 3 (LRU stamps as a base and a log).
 
-``data/sample.kv``, built by this script under format version 1, is frozen: every
-later pagedkv must read both.
+``data/sample.kv`` and ``data/sample-v2.kv``, built by this script under format
+versions 1 and 2, are frozen: every later pagedkv must read all three.
 
 A small store (well under 1 MB on disk) with deterministic K/V content that
 touches every on-disk structure: a prompt whose full pages carry token ids and
@@ -42,7 +42,7 @@ SEQUENCES: dict[str | int, list[tuple[int, int]]] = {
 }
 LENGTHS: dict[str | int, int] = {"prompt": 40, "chat-1": 70, "chat-2": 45, 7: 100, "empty": 0}
 DROPPED = Request("gone", [(6, 0)], length=48)  # dropped: its three full pages stay cached
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "sample-v2.kv")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "data", "sample-v3.kv")
 
 
 def requests() -> list[Request]:
@@ -83,7 +83,12 @@ def build(path: str) -> dict[str, float]:
         problems = store.check()
         if problems:
             raise SystemExit(f"sample store is inconsistent: {problems}")
+        store.commit()
+        store.read(7, 0, 1)  # one slot used: the closing commit writes it as a delta of the LRU log
         stats = store.stats()
+    with pagedkv.open(path, readonly=True) as store:
+        if store._mgr.stamp_log.next <= store._mgr.stamp_log.first:
+            raise SystemExit("the sample store's LRU log holds no delta")
     return stats
 
 
