@@ -63,7 +63,9 @@ def test_rows_carry_the_requested_figures(rows: list[dict[str, Any]]) -> None:
     assert {row["params"]["sequences"] for row in by_id["B2"]} >= {64, 256}
     assert sorted(row["name"] for row in by_id["B3"]) == ["read whole sequences",
                                                           "read whole sequences as pages"]
-    churn = by_id["B4"]
+    churn = [row for row in by_id["B4"] if "working_set" in row["params"] or "naive" in row["name"]]
+    assert {row["name"] for row in by_id["B4"]} - {row["name"] for row in churn} == {
+        "eviction per page, 100000 vs 10000 slots"}  # the one row that is not churn
     assert {row["params"]["durability"] for row in churn} == {"durable", "nosync"}
     assert {row["params"]["working_set"] for row in churn} == {"2x", "4x", "16x"}
     assert any("naive" in row["name"] for row in churn)

@@ -345,6 +345,27 @@ def test_golden_stores_of_formats_2_and_3_read_in_place(name: str, version: int)
     assert digest(sample) == before
 
 
+def test_a_spill_record_under_a_huge_key_is_damage_not_the_next_uid(built) -> None:
+    """A spilled page's record moved under its key with the top bit set (a flipped bit in an LMDB
+    node: spill records are not sealed under their key) is reported, and no writer opens the store.
+
+    Taken as an uncommitted record, its key became the store's next uid (2**63 + uid), which
+    the writer then committed and every later open refused.
+    """
+    path, model = built
+    env = spill_env(path)
+    try:
+        pages = spill_dbs(env)["pages"]
+        with env.begin() as txn:
+            key, value = next(iter(txn.cursor(db=pages)))
+            key, value = bytes(key), bytes(value)
+    finally:
+        env.close()
+    rewrite(path, "pages", key, value, new_key=bytes([key[0] | 0x80]) + key[1:])
+    lines = assert_refused_and_reported(path, model)
+    assert any("spill record's key is not a page uid" in line for line in lines), lines
+
+
 def test_unsealed_records_in_a_sealed_store_are_damage(built, tmp_path: Path) -> None:
     """A format-1 (bare) value written into a format-2 store is not trusted."""
     path, model = built

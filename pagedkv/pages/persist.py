@@ -25,7 +25,7 @@ from .loadcheck import (COUNTS, check_counts, check_tokens, load_rows, load_stam
 from .manager import BlockManager
 from ..storage.metarecord import (DIR_DTYPE, DIR_DTYPE_V1, SUPERBLOCK_SEED, TAG_DIR, TAG_META, TAG_SEQS,
                                   TAG_TOKENS, seal, seal_many, unseal)
-from ..storage.schema import superblock_problems
+from ..storage.schema import MAX_UID, superblock_problems
 from .sequence import Sequence
 from ..storage.spill import SpillStore, entry_count, key_uid, uid_key
 
@@ -197,9 +197,12 @@ def load(mgr: BlockManager, writer: bool,
     if (keys or tables) and not {b"state", b"lru"} <= meta_keys:
         damage.append("the state or lru record of a committed store is missing")
     check_counts(mgr, counts_raw, (len(keys), len(tables), len(token_keys)), damage)
-    if any(len(k) != 8 for k in record_sizes):
+    # A page's key is its uid: 8 bytes below MAX_UID, so that the next uid after it is one too.
+    # Spill records are not sealed under their key, and a key that damage made huge would
+    # otherwise become the store's next uid, which the next open refuses.
+    if any(len(k) != 8 or not 0 < key_uid(k) < MAX_UID for k in record_sizes):
         damage.append("a spill record's key is not a page uid")
-        record_sizes = {k: n for k, n in record_sizes.items() if len(k) == 8}
+        record_sizes = {k: n for k, n in record_sizes.items() if len(k) == 8 and 0 < key_uid(k) < MAX_UID}
     uids, rows = load_rows(mgr, keys, values, damage)
     # Uids are never reused, not even those of records a crash left uncommitted.
     highest = max((key_uid(key) for key in record_sizes), default=0)
