@@ -199,13 +199,16 @@ def load(mgr: BlockManager, writer: bool,
     check_counts(mgr, counts_raw, (len(keys), len(tables), len(token_keys)), damage)
     # A page's key is its uid: 8 bytes below MAX_UID, so that the next uid after it is one too.
     # Spill records are not sealed under their key, and a key that damage made huge would
-    # otherwise become the store's next uid, which the next open refuses.
-    if any(len(k) != 8 or not 0 < key_uid(k) < MAX_UID for k in record_sizes):
+    # otherwise become the store's next uid, which the next open refuses. One pass, in numpy.
+    whole = [key for key in record_sizes if len(key) == 8]
+    record_uids = np.frombuffer(b"".join(whole), ">u8") if whole else np.zeros(0, ">u8")
+    sound = (record_uids > 0) & (record_uids < MAX_UID)
+    if len(whole) != len(record_sizes) or not sound.all():
         damage.append("a spill record's key is not a page uid")
-        record_sizes = {k: n for k, n in record_sizes.items() if len(k) == 8 and 0 < key_uid(k) < MAX_UID}
+        record_sizes = {key: record_sizes[key] for key, ok in zip(whole, sound.tolist()) if ok}
     uids, rows = load_rows(mgr, keys, values, damage)
     # Uids are never reused, not even those of records a crash left uncommitted.
-    highest = max((key_uid(key) for key in record_sizes), default=0)
+    highest = int(record_uids[sound].max()) if sound.any() else 0
     next_uid = max(int(state.get("next_uid", 1)), int(uids.max()) + 1 if len(uids) else 1, highest + 1)
     mgr.load_committed(uids, rows, [record_sizes.get(key, 0) for key in uid_keys(uids)],
                        sum(record_sizes.values()), stamps, next_uid, int(state.get("tick", 0)))

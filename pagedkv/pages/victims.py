@@ -31,12 +31,12 @@ class OldestSlots:
     __slots__ = ("_slots", "_stamps", "_at", "_back", "_back_stamps")
 
     def __init__(self) -> None:
-        self._slots, self._stamps, self._at = _EMPTY, _EMPTY, 0
-        self._back, self._back_stamps = _EMPTY, _EMPTY  # kept slots found pinned: older than the rest
+        self.reset()
 
     def reset(self) -> None:
         """Forget the kept slots (the next ``take`` scans): after the stamps were set wholesale."""
-        self.__init__()  # type: ignore[misc]
+        self._slots, self._stamps, self._at = _EMPTY, _EMPTY, 0
+        self._back, self._back_stamps = _EMPTY, _EMPTY  # kept slots found pinned: older than the rest
 
     def take(self, slot_pid: np.ndarray, stamp: np.ndarray, pins: np.ndarray, bg_pins: np.ndarray,
              count: int) -> np.ndarray:
@@ -103,5 +103,5 @@ class OldestSlots:
             keep = stamps <= newest  # no slot left out is as old as one kept
             resident, stamps = resident[keep], stamps[keep]
         order = np.argsort(stamps, kind="stable")  # ties by slot number
-        self._slots, self._stamps, self._at = resident[order], stamps[order], 0
-        self._back, self._back_stamps = _EMPTY, _EMPTY
+        self.reset()
+        self._slots, self._stamps = resident[order], stamps[order]
