@@ -92,7 +92,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         seqs, members, lengths, npages, rows = batch.seqs, batch.members, batch.lengths, batch.npages, batch.rows
     known.check_idle(members)
     if mgr.kept_for is not None and (batch is None or batch.evict_epoch != mgr.evict_epoch
-                                     or mgr.kept_for is not batch or (step.decode and len(seqs) <= _FEW)):
+                                     or mgr.kept_for is not batch):
         mgr.release_kept()  # not this step's to take over: nothing may count them as its own
     if step.decode and len(seqs) <= _FEW:
         _begin_few(store, step, seqs, members, batch)
@@ -235,7 +235,12 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
             copies += 1
         else:
             inplace.append(row)
-    held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
+    # Any pins still kept are this batch's (the others went back in begin) and its table is reused.
+    if mgr.kept_for is not None and mgr.has_room(new_pages + copies):
+        held = _take_kept(store, step, seqs)
+    else:
+        mgr.release_kept()
+        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
         for row in grows:
@@ -257,6 +262,8 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     known.dirty.update(by_key)
     known.batch = _Batch(step.seq_ids, seqs, tables, known.epoch, mgr.evict_epoch, NONE, NONE,
                          members, by_key, NONE, None, None, None)
+    if not copies:  # as in begin: the batch's next step holds exactly these slots
+        step._keep_for = known.batch
     step.block_tables = tables[:, :width].copy()
     step.slot_mapping = np.array([tables.item(row, length // page_size) * page_size + length % page_size
                                   for row, length in enumerate(lengths)], np.int64)

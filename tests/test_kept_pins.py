@@ -39,7 +39,7 @@ def _pins_settled(store: pagedkv.KVStore, after_step: bool) -> None:
         assert not len(mgr.kept) and mgr.kept_for is None, "an operation other than a step saw kept pins"
 
 
-def _run(path: Path, seed: int) -> list[Any]:
+def _run(path: Path, seed: int, width: int) -> list[Any]:
     rng = random.Random(seed)
     # Foreground spilling only: a write-behind thread's timing would make two runs differ anyway
     # (between steps it sees the kept pins as pins, and leaves the batch's slots alone).
@@ -47,7 +47,7 @@ def _run(path: Path, seed: int) -> list[Any]:
     seen: list[Any] = []
     names = iter(range(10_000))
     batch = []
-    for _ in range(6):  # beyond the Python-int plan: the vectorised steps keep pins
+    for _ in range(width):  # the Python-int plan (up to 4 rows) and the vectorised one both keep pins
         seq = next(names)
         store.create(seq)
         batch.append(seq)
@@ -112,25 +112,27 @@ def _run(path: Path, seed: int) -> list[Any]:
     return seen
 
 
+@pytest.mark.parametrize("width", [2, 6])
 @pytest.mark.parametrize("run", range(3))
-def test_kept_pins_change_nothing_observable(tmp_path: Path, run: int, monkeypatch) -> None:
-    seed = get_seed(f"kept pins, run {run}")
-    kept = _run(tmp_path / "kept", seed)
+def test_kept_pins_change_nothing_observable(tmp_path: Path, run: int, width: int, monkeypatch) -> None:
+    seed = get_seed(f"kept pins, run {run}, {width} rows")
+    kept = _run(tmp_path / "kept", seed, width)
 
     def give_back(self: PageTable, slots: np.ndarray, owner: object) -> None:
         self.release_kept()
         np.subtract.at(self.pins, slots, ONE)
 
     monkeypatch.setattr(PageTable, "keep_pins", give_back)
-    given_back = _run(tmp_path / "given-back", seed)
+    given_back = _run(tmp_path / "given-back", seed, width)
     assert len(kept) == len(given_back)
     for index, (a, b) in enumerate(zip(kept, given_back)):
         assert a == b, f"PAGEDKV_SEED={seed}: entry {index} ({a[0]}) differs with pins kept"
 
 
-def test_a_step_keeps_its_pins_only_until_the_next_operation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("width", [1, 4, 6])
+def test_a_step_keeps_its_pins_only_until_the_next_operation(tmp_path: Path, width: int) -> None:
     store = pagedkv.open(tmp_path / "s", GEOM, pool_pages=32)
-    batch = {seq: 1 for seq in range(6)}
+    batch = {seq: 1 for seq in range(width)}
     for seq in batch:
         store.create(seq)
     with store.step({seq: PS + 1 for seq in batch}):
@@ -139,10 +141,11 @@ def test_a_step_keeps_its_pins_only_until_the_next_operation(tmp_path: Path) -> 
         with store.step(batch):
             pass
     mgr = store._mgr
-    assert mgr.kept_for is store._seqs.batch and int(mgr.pins.sum()) == 12  # two pages per sequence
+    pinned = 2 * width  # two pages per sequence
+    assert mgr.kept_for is store._seqs.batch and int(mgr.pins.sum()) == pinned
     with store.step(batch):  # taken over, and kept again
-        assert int(mgr.pins.sum()) == 12 and not len(mgr.kept)
-    assert int(mgr.pins.sum()) == 12
+        assert int(mgr.pins.sum()) == pinned and not len(mgr.kept)
+    assert int(mgr.pins.sum()) == pinned
     store.stats()
     assert int(mgr.pins.sum()) == 0 and mgr.kept_for is None
     with store.step(batch):
