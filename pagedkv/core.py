@@ -112,6 +112,7 @@ class StoreCore:
         self._lock = threading.RLock()
         self._no_steps = threading.Condition(self._lock)
         self._active_steps: dict[int, int] = {}  # thread id -> steps it has open
+        self._step_waiters = 0  # threads in _wait_no_steps: only they need waking when steps end
         self._stats = Stats()
         self._options = options
         self._mgr = self._new_manager()
@@ -199,8 +200,12 @@ class StoreCore:
     def _wait_no_steps(self, what: str) -> None:
         if self._active_steps.get(threading.get_ident()):
             raise SequenceBusy(f"{what} inside an active step of this thread")
-        while self._active_steps:
-            self._no_steps.wait()
+        self._step_waiters += 1
+        try:
+            while self._active_steps:
+                self._no_steps.wait()
+        finally:
+            self._step_waiters -= 1
 
 
 class CoreHost(BackgroundHost):

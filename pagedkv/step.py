@@ -59,7 +59,8 @@ def _exit_step(store: StoreCore, step: Step, ok: bool) -> None:
             store._active_steps[me] -= 1
             if not store._active_steps[me]:
                 del store._active_steps[me]
-            store._no_steps.notify_all()
+                if store._step_waiters and not store._active_steps:  # what the waiters wait for
+                    store._no_steps.notify_all()
 
 
 def fits(store: StoreCore, new_tokens: PerSequence[int]) -> bool:

@@ -13,6 +13,10 @@ from .pages.prefix import split_ids, step_token_ids
 from .pages.sequence import PerSequence, SeqId, Sequence
 
 NONE = np.zeros(0, np.int32)  # an empty slot array
+# A step's outputs until it begins: shared, read-only (three allocations a step saved).
+_NO_TABLES, _NO_SLOTS, _NO_LENS = np.empty((0, 0), np.int32), np.empty(0, np.int64), np.empty(0, np.int32)
+for _empty in (_NO_TABLES, _NO_SLOTS, _NO_LENS):
+    _empty.flags.writeable = False
 
 
 class StepState:
@@ -45,9 +49,9 @@ class StepState:
                 self.ordered_ids = flat  # one id per row
         self._store = store
         self.new_tokens = counts
-        self.block_tables = np.empty((0, 0), np.int32)
-        self.slot_mapping = np.empty(0, np.int64)
-        self.seq_lens = np.empty(0, np.int32)
+        self.block_tables = _NO_TABLES
+        self.slot_mapping = _NO_SLOTS
+        self.seq_lens = _NO_LENS
         self._seqs: list[Sequence] = []
         self._undo: tuple[Any, ...] = ()  # lengths, pages, last pages, their fills (arrays or lists)
         self._held = NONE  # the slots of the step's existing pages, pinned (a slot per reference)
@@ -72,7 +76,7 @@ class StepState:
 def parse_counts(new_tokens: Any) -> list[int]:
     """Validate a step's mapping of sequence id -> new token count; return the counts."""
     # collections.abc, not typing: isinstance against typing's alias costs microseconds a step.
-    if not isinstance(new_tokens, abc.Mapping) or not new_tokens:
+    if not (type(new_tokens) is dict or isinstance(new_tokens, abc.Mapping)) or not new_tokens:
         raise PagedKVError("step() takes a non-empty mapping of sequence id -> new token count")
     counts = list(new_tokens.values())
     if set(map(type, counts)) != {int} or min(counts) < 0:
