@@ -226,6 +226,58 @@ def test_threads_commit_waits_for_other_threads_step(stores) -> None:
     assert store.check() == []
 
 
+def test_a_waiting_commit_wakes_when_the_last_open_step_ends(stores) -> None:
+    """A commit that is already waiting when steps end waits through the first and wakes at the last.
+
+    The commit's wait is observed (its condition wait is wrapped to say so), so
+    each end below happens while it waits: a step end that fails to wake it hangs
+    the join, and one that wakes it while a step is still open lets it finish early.
+    """
+    store = stores.open(pool_pages=8)
+    for seq in ("a", "b"):
+        store.create(seq)
+    waits = threading.Semaphore(0)  # one release per wait the commit starts
+    real_wait = store._no_steps.wait
+
+    def observed_wait(timeout: float | None = None) -> bool:
+        waits.release()
+        return real_wait(timeout)
+
+    store._no_steps.wait = observed_wait  # type: ignore[method-assign]
+    b_open, b_close, errors = threading.Event(), threading.Event(), []
+    done = threading.Event()
+
+    def other_step() -> None:
+        try:
+            with store.step({"b": 1}):
+                b_open.set()
+                assert b_close.wait(30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def committer() -> None:
+        try:
+            store.commit()
+            done.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    stepper = threading.Thread(target=other_step, daemon=True)
+    stepper.start()
+    assert b_open.wait(30)
+    waiter = threading.Thread(target=committer, daemon=True)
+    with store.step({"a": 1}):
+        waiter.start()
+        assert waits.acquire(timeout=30), "the commit did not wait for the open steps"
+    assert not done.is_set()  # "b" is still open
+    b_close.set()
+    stepper.join(timeout=30)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and done.is_set() and not errors
+    assert store._step_waiters == 0
+    store.close()
+
+
 # -- reads racing steps, rollbacks, spills and drops -------------------------------------------------
 
 
