@@ -198,6 +198,13 @@ class StoreCore:
             self._poisoned = reason
 
     def _wait_no_steps(self, what: str) -> None:
+        """Wait (holding the lock) until no thread has a step open; ``SequenceBusy`` inside one's own.
+
+        A decode step that ended during the wait may have kept its pins for its
+        batch's next step: they are given back here, as ``_op`` gives them back
+        before any other operation, since the caller (a commit, a close) goes on
+        to look at the pool.
+        """
         if self._active_steps.get(threading.get_ident()):
             raise SequenceBusy(f"{what} inside an active step of this thread")
         self._step_waiters += 1
@@ -206,6 +213,7 @@ class StoreCore:
                 self._no_steps.wait()
         finally:
             self._step_waiters -= 1
+        self._mgr.release_kept()
 
 
 class CoreHost(BackgroundHost):

@@ -226,12 +226,15 @@ def test_threads_commit_waits_for_other_threads_step(stores) -> None:
     assert store.check() == []
 
 
-def test_a_waiting_commit_wakes_when_the_last_open_step_ends(stores) -> None:
-    """A commit that is already waiting when steps end waits through the first and wakes at the last.
+def test_a_waiting_commit_wakes_once_at_the_last_open_step_and_sees_no_kept_pins(stores) -> None:
+    """A commit already waiting when steps end waits through the first, wakes at the last, and then
+    commits with no step's pins kept.
 
-    The commit's wait is observed (its condition wait is wrapped to say so), so
-    each end below happens while it waits: a step end that fails to wake it hangs
-    the join, and one that wakes it while a step is still open lets it finish early.
+    The commit's wait is observed (its condition wait is wrapped to count), so both
+    ends below happen while it waits: an end that fails to wake it hangs the join,
+    and an end that wakes it while a step is still open makes it wait twice. The
+    steps keep their pins for their batches' next steps as they end; the commit
+    must give them back before it looks at the pool, as every other operation does.
     """
     store = stores.open(pool_pages=8)
     for seq in ("a", "b"):
@@ -244,6 +247,14 @@ def test_a_waiting_commit_wakes_when_the_last_open_step_ends(stores) -> None:
         return real_wait(timeout)
 
     store._no_steps.wait = observed_wait  # type: ignore[method-assign]
+    seen: list[tuple[bool, int]] = []
+    real_commit = store._commit
+
+    def observed_commit(*args: Any, **kwargs: Any) -> Any:
+        seen.append((store._mgr.kept_for is None, int(store._mgr.pins.sum())))
+        return real_commit(*args, **kwargs)
+
+    store._commit = observed_commit  # type: ignore[method-assign]
     b_open, b_close, errors = threading.Event(), threading.Event(), []
     done = threading.Event()
 
@@ -274,6 +285,8 @@ def test_a_waiting_commit_wakes_when_the_last_open_step_ends(stores) -> None:
     stepper.join(timeout=30)
     waiter.join(timeout=30)
     assert not waiter.is_alive() and done.is_set() and not errors
+    assert not waits.acquire(blocking=False), "the commit was woken while a step was still open"
+    assert seen == [(True, 0)], f"the commit ran with pins kept by a step (no kept pins, pins held): {seen}"
     assert store._step_waiters == 0
     store.close()
 
