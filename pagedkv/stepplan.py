@@ -27,6 +27,7 @@ from .stepstate import NONE, StepState
 
 # Up to this many rows, per-row scalar updates cost less than numpy's per-call overhead.
 _FEW = 4
+_ID_TYPES = {str, int}  # the sequence ids a step takes as they are (subclasses go through find)
 
 
 class _Batch:
@@ -78,11 +79,14 @@ def begin(store: StoreCore, step: StepState) -> None:
     """
     mgr, page_size, known = store._mgr, store.geometry.page_size, store._seqs
     batch = known.batch
-    if batch is None or batch.table_epoch != known.epoch or batch.seq_ids != step.seq_ids:
+    # Ids compare equal across types (True == 1 == 1.0): only plain str and int ids may match
+    # the last batch's, and any other goes through find's checks, whatever came before.
+    plain = set(map(type, step.seq_ids)) <= _ID_TYPES
+    if batch is None or batch.table_epoch != known.epoch or not plain or batch.seq_ids != step.seq_ids:
         batch = None
         get = known.get
         found = [get(seq_id) for seq_id in step.seq_ids]
-        if None in found or not set(map(type, step.seq_ids)) <= {str, int}:
+        if None in found or not plain:
             seqs = [known.find(seq_id) for seq_id in step.seq_ids]  # typed errors, subclasses
         else:
             seqs = cast("list[Sequence]", found)

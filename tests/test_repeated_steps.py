@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from pagedkv import PoolExhausted, SequenceBusy
@@ -160,3 +161,35 @@ def test_step_without_ids_forgets_ids_of_a_reopened_partial_page(stores) -> None
     store = stores.reopen(store)
     assert store.lookup(ids[:PS + 2] + [7] * (PS - 2) + [0]) == PS
     model.verify_all(store)
+
+
+class _Id(int):
+    """An int subclass: names the sequence its value names (``Sequences.find``)."""
+
+
+@pytest.mark.parametrize("width", [1, 6])  # the Python-int plan and the vectorised one
+@pytest.mark.parametrize("other", [True, 1.0, np.int64(1), _Id(1)], ids=["bool", "float", "np.int64", "int-subclass"])
+def test_an_id_equal_to_the_last_batchs_but_of_another_type_is_judged_as_on_a_fresh_batch(
+        stores, width: int, other: object) -> None:
+    """``True == 1.0 == 1``: the reuse of the last batch must not let such an id through, or refuse one.
+
+    The same step is tried on a store whose last batch holds the int ids and on one
+    with no last batch; both must give the same answer (the error, or the step).
+    """
+    outcomes = []
+    for warm in (False, True):
+        store = stores.open(name=f"s-{warm}", pool_pages=32)
+        seqs = list(range(width)) if width > 1 else [1]
+        for seq in seqs:
+            store.create(seq)
+        if warm:
+            with store.step({seq: 1 for seq in seqs}):
+                pass
+        mapping = {(other if seq == 1 else seq): 1 for seq in seqs}
+        try:
+            with store.step(mapping) as step:
+                outcomes.append(("stepped", step.seq_lens.shape))
+        except Exception as exc:  # the outcome compared is the error itself
+            outcomes.append((type(exc).__name__, str(exc)))
+        store.close()
+    assert outcomes[0] == outcomes[1], f"{other!r}: a fresh batch gives {outcomes[0]}, a reused one {outcomes[1]}"
