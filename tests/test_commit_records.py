@@ -35,10 +35,12 @@ def test_dir_entries_match_dir_value(tmp_path: Path) -> None:
     seed = get_seed("dir entries")
     draws = Draws(random.Random(seed), np.random.default_rng(seed), GEOM, vocab=50)
     # A small pool spills most pages; token ids hash the full ones (hash, parent and chain set).
+    # Every sequence has a full page and at least two pages: six of them always outgrow the
+    # 8-slot pool (with 1-token sequences a draw could fit in it, spilling nothing).
     store = pagedkv.open(str(tmp_path / "s"), GEOM, pool_pages=8, durability="nosync", spill_codec="int8")
     try:
         for seq in range(6):
-            count = draws.rng.randint(1, 13)
+            count = draws.rng.randint(GEOM.page_size + 1, 13)
             k, v = draws.kv(count)
             store.create(seq)
             store.append(seq, k, v, tokens=draws.ids(count))
