@@ -131,12 +131,7 @@ def begin(store: StoreCore, step: StepState) -> None:
         last_fill = np.where(npages > 0, mgr.fill[last_pids], 0)
     cow = partial & (mgr.ref[last_pids] > 1)
     copies = int(np.count_nonzero(cow))
-    # Any pins still kept are this batch's (the others went back above) and its table is reused.
-    if mgr.kept_for is not None and mgr.has_room(new_pages + copies):
-        held = _take_kept(store, step, seqs)
-    else:
-        mgr.release_kept()
-        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
+    held = _hold(store, step, seqs, tables, reused, new_pages + copies, resolved)
     grows = np.flatnonzero(growing | cow if copies else growing)
     step._undo = (lengths, npages, last_pids, last_fill)
     next_pids, next_fill = last_pids.copy(), last_fill.copy()  # the next step's, if it reuses the batch
@@ -251,12 +246,7 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
             copies += 1
         else:
             inplace.append(row)
-    # Any pins still kept are this batch's (the others went back in begin) and its table is reused.
-    if mgr.kept_for is not None and mgr.has_room(new_pages + copies):
-        held = _take_kept(store, step, seqs)
-    else:
-        mgr.release_kept()
-        held = _pin_held(store, step, seqs, tables, reused, new_pages + copies, resolved)
+    held = _hold(store, step, seqs, tables, reused, new_pages + copies, resolved)
     step._undo = (lengths, npages, last_pids, last_fill)
     try:
         for row in grows:
@@ -288,6 +278,18 @@ def _begin_few(store: StoreCore, step: StepState, seqs: list[Sequence], members:
     if touch:
         mgr.touch(held)
     known.batch.tick = mgr.tick
+
+
+def _hold(store: StoreCore, step: StepState, seqs: list[Sequence], tables: np.ndarray,
+          reused: bool, extra: int, resolved: np.ndarray | None) -> np.ndarray:
+    """Pin the step's slots: the pins the batch's last step kept, if any are (``begin`` gave back
+    any that were not this batch's, and then its table is reused) and ``extra`` more slots fit;
+    else ``_pin_held``'s fresh pins. Returns the slots held (``end`` keeps or unpins them)."""
+    mgr = store._mgr
+    if mgr.kept_for is not None and mgr.has_room(extra):
+        return _take_kept(store, step, seqs)
+    mgr.release_kept()
+    return _pin_held(store, step, seqs, tables, reused, extra, resolved)
 
 
 def _pin_held(store: StoreCore, step: StepState, seqs: list[Sequence], tables: np.ndarray,
